@@ -1,0 +1,58 @@
+# Entry points for people: `make demo` and `make test` set everything up on a
+# fresh Debian 12 machine (packages, configure, build) and run.
+#
+#   make test          build against Debian's LibTorch 1.13 and run the suite
+#   make demo          run the example on 8 local ranks (dp2 x pp2 x tp2)
+#   make test-latest   the same suite against the newest LibTorch from PyPI
+#   make bench         the collective benchmark at 4 ranks, JSON lines
+
+BUILD        ?= build
+BUILD_LATEST ?= build-latest
+JOBS         ?= 2
+BUILD_TYPE   ?= Release
+CTEST_ARGS   ?= --output-on-failure
+# The PyPI wheel's LibTorch is built with CUDA: its CMake config needs a
+# working nvcc even though tessera compiles no .cu files.
+CUDA_HOME    ?= /usr/local/cuda
+TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
+MPIRUN_ENV    = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+                OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1 \
+                OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+.PHONY: all deps configure build test demo bench test-latest clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+configure: deps $(BUILD)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD) $(CTEST_ARGS)
+
+demo: build
+	$(MPIRUN_ENV) mpirun -np 8 $(BUILD)/examples/tessera_demo --dp 2 --pp 2 --tp 2
+
+bench: build
+	$(MPIRUN_ENV) mpirun -np 4 $(BUILD)/bench/comm_bench --json
+
+# LibTorch from PyPI's torch wheel, in a virtual environment of its own.
+test-latest: deps
+	scripts/install-deps.sh python3-venv
+	scripts/setup-latest-torch.sh $(BUILD_LATEST)/venv > $(BUILD_LATEST).env
+	. ./$(BUILD_LATEST).env && \
+	  cmake -S . -B $(BUILD_LATEST) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DCMAKE_PREFIX_PATH="$$TORCH_PREFIX" \
+	    -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc -DCUDAToolkit_ROOT=$(CUDA_HOME) \
+	    -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DTORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" && \
+	  cmake --build $(BUILD_LATEST) -j $(JOBS) && \
+	  LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) $(CTEST_ARGS)
+
+clean:
+	rm -rf $(BUILD) $(BUILD_LATEST) $(BUILD_LATEST).env

@@ -1,0 +1,277 @@
+// comm_bench: tessera's collectives against the raw MPI calls they map to,
+// in the manner of nccl-tests: sizes from --min-bytes to --max-bytes, times
+// --factor; warm-up; timed iterations; time, algbw, busbw and the number of
+// wrong elements per size and operation; the raw MPI call timed in the same
+// run, on the same buffers, interleaved with tessera's in rounds so that
+// drift and noise hit both alike.
+//
+//   mpirun -np 4 comm_bench [--json] [--ops all_reduce,all_gather,...]
+//       [--min-bytes 8] [--max-bytes 64M] [--factor 2] [--rounds 7]
+//       [--dtype float32|float64|int32|int64]
+//
+// Note [Bus bandwidth]
+// algbw = bytes / time, with bytes the nccl-tests "size" of the operation
+// (the full buffer: output of all_gather, input of reduce_scatter).
+// busbw = algbw * factor, the bandwidth a ring implementation puts on each
+// link: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
+// broadcast, reduce 1. Times are per iteration, the maximum over ranks of the
+// median over rounds.
+#include <tessera/tessera.h>
+
+#include <ATen/ATen.h>
+
+#include <fmt/core.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using tessera::comm::MpiCommunicator;
+
+struct Args {
+  bool json = false;
+  int64_t min_bytes = 8;
+  int64_t max_bytes = 64 << 20;
+  int factor = 2;
+  int rounds = 7;
+  int warmup = 3;
+  std::string dtype = "float32";
+  std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"};
+};
+
+int64_t parse_bytes(const std::string& s) {
+  TORCH_CHECK(!s.empty(), "empty size");
+  int64_t mult = 1;
+  std::string digits = s;
+  const char last = s.back();
+  if (last == 'K' || last == 'k') mult = 1 << 10;
+  if (last == 'M' || last == 'm') mult = 1 << 20;
+  if (last == 'G' || last == 'g') mult = int64_t{1} << 30;
+  if (mult != 1) digits.pop_back();
+  return std::stoll(digits) * mult;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string f = argv[i];
+    auto next = [&]() -> std::string {
+      TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value");
+      return argv[++i];
+    };
+    if (f == "--json") a.json = true;
+    else if (f == "--min-bytes") a.min_bytes = parse_bytes(next());
+    else if (f == "--max-bytes") a.max_bytes = parse_bytes(next());
+    else if (f == "--factor") a.factor = std::stoi(next());
+    else if (f == "--rounds") a.rounds = std::stoi(next());
+    else if (f == "--warmup") a.warmup = std::stoi(next());
+    else if (f == "--dtype") a.dtype = next();
+    else if (f == "--ops") {
+      a.ops.clear();
+      std::stringstream ss(next());
+      for (std::string op; std::getline(ss, op, ',');) a.ops.push_back(op);
+    } else TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/comm_bench.cpp");
+  }
+  TORCH_CHECK(a.factor >= 2 && a.rounds >= 1 && a.min_bytes >= 1 && a.max_bytes >= a.min_bytes,
+              "need --factor >= 2, --rounds >= 1 and 1 <= --min-bytes <= --max-bytes");
+  return a;
+}
+
+MPI_Datatype mpi_type(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return MPI_FLOAT;
+    case c10::kDouble: return MPI_DOUBLE;
+    case c10::kInt: return MPI_INT32_T;
+    case c10::kLong: return MPI_INT64_T;
+    default: TORCH_CHECK(false, "comm_bench baselines support float32, float64, int32 and int64");
+  }
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// One operation at one size: buffers, tessera's call, the raw MPI call, the
+// busbw factor, and a correctness check.
+struct Bench {
+  std::string op;
+  int64_t bytes = 0;  // nccl-tests size
+  double bus_factor = 1;
+  std::function<void()> tessera_call;
+  std::function<void()> mpi_call;
+  std::function<int64_t()> count_wrong;  // runs tessera once on known data
+};
+
+Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, MpiCommunicator& comm, MPI_Comm raw) {
+  const int n = comm.size(), r = comm.rank();
+  const double nd = n;
+  auto o = at::TensorOptions().dtype(dtype);
+  const int64_t esize = c10::elementSize(dtype);
+  MPI_Datatype type = mpi_type(dtype);
+  Bench b;
+  b.op = op;
+  // Sizes follow nccl-tests: count elements in the full buffer, divisible by n.
+  if (op == "all_reduce") {
+    at::Tensor t = at::zeros({count}, o);
+    b.bytes = count * esize;
+    b.bus_factor = 2 * (nd - 1) / nd;
+    b.tessera_call = [&comm, t]() mutable { comm.all_reduce(t); };
+    b.mpi_call = [=]() { MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, raw); };
+    b.count_wrong = [&comm, t, r, n]() mutable {
+      t.fill_(r + 1);
+      comm.all_reduce(t);
+      return t.ne(n * (n + 1) / 2).sum().item<int64_t>();
+    };
+  } else if (op == "all_gather") {
+    const int64_t per = count / n;
+    at::Tensor in = at::zeros({per}, o), out = at::zeros({per * n}, o);
+    b.bytes = per * n * esize;
+    b.bus_factor = (nd - 1) / nd;
+    b.tessera_call = [&comm, in, out]() mutable { comm.all_gather(out, in); };
+    b.mpi_call = [=]() { MPI_Allgather(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
+    b.count_wrong = [&comm, in, out, r, n, per, dtype]() mutable {
+      in.fill_(r);
+      comm.all_gather(out, in);
+      at::Tensor want = at::arange(n, at::kLong).repeat_interleave(per).to(dtype);
+      return out.ne(want).sum().item<int64_t>();
+    };
+  } else if (op == "reduce_scatter") {
+    const int64_t per = count / n;
+    at::Tensor in = at::zeros({per * n}, o), out = at::zeros({per}, o);
+    b.bytes = per * n * esize;
+    b.bus_factor = (nd - 1) / nd;
+    b.tessera_call = [&comm, in, out]() mutable { comm.reduce_scatter(out, in); };
+    b.mpi_call = [=]() { MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), per, type, MPI_SUM, raw); };
+    b.count_wrong = [&comm, in, out, r, n]() mutable {
+      in.fill_(r + 1);
+      comm.reduce_scatter(out, in);
+      return out.ne(n * (n + 1) / 2).sum().item<int64_t>();
+    };
+  } else if (op == "all_to_all") {
+    const int64_t per = count / n;
+    at::Tensor in = at::zeros({per * n}, o), out = at::zeros({per * n}, o);
+    b.bytes = per * n * esize;
+    b.bus_factor = (nd - 1) / nd;
+    b.tessera_call = [&comm, in, out]() mutable { comm.all_to_all(out, in); };
+    b.mpi_call = [=]() { MPI_Alltoall(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
+    b.count_wrong = [&comm, in, out, r, n, per, dtype]() mutable {
+      in.copy_((at::arange(n, at::kLong) * 100 + r).repeat_interleave(per).to(dtype));
+      comm.all_to_all(out, in);
+      at::Tensor want = (at::arange(n, at::kLong) + 100 * r).repeat_interleave(per).to(dtype);
+      return out.ne(want).sum().item<int64_t>();
+    };
+  } else if (op == "broadcast") {
+    at::Tensor t = at::zeros({count}, o);
+    b.bytes = count * esize;
+    b.tessera_call = [&comm, t]() mutable { comm.broadcast(t); };
+    b.mpi_call = [=]() { MPI_Bcast(t.data_ptr(), count, type, 0, raw); };
+    b.count_wrong = [&comm, t, r]() mutable {
+      t.fill_(r == 0 ? 3 : 0);
+      comm.broadcast(t);
+      return t.ne(3).sum().item<int64_t>();
+    };
+  } else if (op == "reduce") {
+    at::Tensor t = at::zeros({count}, o);
+    b.bytes = count * esize;
+    b.tessera_call = [&comm, t]() mutable { comm.reduce(t); };
+    b.mpi_call = [=]() {
+      if (r == 0) MPI_Reduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, 0, raw);
+      else MPI_Reduce(t.data_ptr(), nullptr, count, type, MPI_SUM, 0, raw);
+    };
+    b.count_wrong = [&comm, t, r, n]() mutable {
+      t.fill_(r + 1);
+      comm.reduce(t);
+      return r == 0 ? t.ne(n * (n + 1) / 2).sum().item<int64_t>() : int64_t{0};
+    };
+  } else {
+    TORCH_CHECK(false, "unknown op '", op, "'; ops: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all");
+  }
+  return b;
+}
+
+// Seconds per call: the maximum over ranks of this rank's mean over iters.
+double time_calls(const std::function<void()>& call, int iters, MPI_Comm raw) {
+  MPI_Barrier(raw);
+  const double start = now();
+  for (int i = 0; i < iters; ++i) call();
+  double t = (now() - start) / iters, worst = 0;
+  MPI_Allreduce(&t, &worst, 1, MPI_DOUBLE, MPI_MAX, raw);
+  return worst;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessera::comm::MpiRuntime mpi(&argc, &argv);
+  tessera::limit_threads(1);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  try {
+    const Args args = parse(argc, argv);
+    const c10::ScalarType dtype = tessera::dtype_from_name(args.dtype);
+    auto comm = MpiCommunicator::world();
+    MPI_Comm raw;
+    MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+    const int n = comm->size();
+    const int64_t esize = c10::elementSize(dtype);
+    if (rank == 0 && !args.json) {
+      fmt::print("# comm_bench: {} ranks, dtype {}, {} rounds, tessera {} (LibTorch {})\n", n, args.dtype, args.rounds,
+                 TESSERA_VERSION, tessera::torch_version_string());
+      fmt::print("# {:<15}{:>12}{:>12}{:>11}{:>11}{:>9}{:>12}{:>11}{:>9}\n", "op", "bytes", "time_us", "algbw",
+                 "busbw", "#wrong", "mpi_us", "mpi_busbw", "ratio");
+    }
+    for (const auto& op : args.ops) {
+      for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.factor) {
+        int64_t count = std::max<int64_t>(bytes / esize, 1);
+        if (op != "all_reduce" && op != "broadcast" && op != "reduce") count = std::max<int64_t>(count / n * n, n);
+        Bench b = make_bench(op, count, dtype, *comm, raw);
+        // Calibrate: enough iterations for ~20 ms per round, at least 2.
+        for (int i = 0; i < args.warmup; ++i) {
+          b.tessera_call();
+          b.mpi_call();
+        }
+        const double one = time_calls(b.tessera_call, 1, raw);
+        const int iters = static_cast<int>(std::clamp(0.02 / std::max(one, 1e-7), 2.0, 1000.0));
+        std::vector<double> ours, theirs;
+        for (int round = 0; round < args.rounds; ++round) {
+          ours.push_back(time_calls(b.tessera_call, iters, raw));
+          theirs.push_back(time_calls(b.mpi_call, iters, raw));
+        }
+        int64_t wrong = b.count_wrong(), total_wrong = 0;
+        MPI_Allreduce(&wrong, &total_wrong, 1, MPI_INT64_T, MPI_SUM, raw);
+        const double t = median(ours), tb = median(theirs);
+        const double algbw = b.bytes / t / 1e9, busbw = algbw * b.bus_factor;
+        const double base_busbw = b.bytes / tb / 1e9 * b.bus_factor;
+        if (rank != 0) continue;
+        if (args.json) {
+          fmt::print("{{\"op\": \"{}\", \"bytes\": {}, \"dtype\": \"{}\", \"ranks\": {}, \"iters\": {}, \"rounds\": {}, "
+                     "\"time_us\": {:.3f}, \"algbw_gbps\": {:.4f}, \"busbw_gbps\": {:.4f}, "
+                     "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
+                     "\"wrong\": {}}}\n",
+                     op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw,
+                     busbw / base_busbw, total_wrong);
+        } else {
+          fmt::print("  {:<15}{:>12}{:>12.2f}{:>11.3f}{:>11.3f}{:>9}{:>12.2f}{:>11.3f}{:>9.3f}\n", op, b.bytes, t * 1e6,
+                     algbw, busbw, total_wrong, tb * 1e6, base_busbw, busbw / base_busbw);
+        }
+        std::fflush(stdout);
+      }
+    }
+    MPI_Comm_free(&raw);
+  } catch (const c10::Error& e) {
+    if (rank == 0) fmt::print(stderr, "comm_bench: error: {}\n", e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,52 @@
+# tessera_add_mpi_test(NAME name TARGET target RANKS n [TIMEOUT s] [ARGS ...])
+#
+# Registers `name.npN` that runs `target` on N ranks with FindMPI's MPIEXEC
+# variables. The environment makes root runs and oversubscription work with
+# OpenMPI, gives each rank one intra-op and one BLAS thread, and makes idle
+# ranks yield the core (8 ranks share 2 cores in CI). TIMEOUT (default
+# TESSERA_TEST_TIMEOUT) turns a hang into a failure instead of a stuck CI.
+set(TESSERA_MPI_TEST_ENV
+  OMPI_ALLOW_RUN_AS_ROOT=1
+  OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  OMPI_MCA_rmaps_base_oversubscribe=1
+  OMPI_MCA_mpi_yield_when_idle=1
+  OMP_NUM_THREADS=1
+  OPENBLAS_NUM_THREADS=1)
+
+function(tessera_mpi_command out ranks)
+  set(${out} ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${ranks} ${MPIEXEC_PREFLAGS} PARENT_SCOPE)
+endfunction()
+
+function(tessera_add_mpi_test)
+  cmake_parse_arguments(T "" "NAME;TARGET;RANKS;TIMEOUT" "ARGS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT ${TESSERA_TEST_TIMEOUT})
+  endif()
+  tessera_mpi_command(launcher ${T_RANKS})
+  add_test(NAME ${T_NAME}.np${T_RANKS}
+    COMMAND ${launcher} $<TARGET_FILE:${T_TARGET}> ${MPIEXEC_POSTFLAGS} ${T_ARGS})
+  set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
+    TIMEOUT ${T_TIMEOUT}
+    ENVIRONMENT "${TESSERA_MPI_TEST_ENV}"
+    LABELS "mpi;np${T_RANKS}")
+endfunction()
+
+# tessera_add_mpi_failure_test(NAME name TARGET target RANKS n REGEX re [ARGS ...])
+#
+# Passes when the program exits non-zero on N ranks, within the timeout, and
+# its output matches REGEX: for inputs that must be rejected cleanly.
+function(tessera_add_mpi_failure_test)
+  cmake_parse_arguments(T "" "NAME;TARGET;RANKS;REGEX" "ARGS" ${ARGN})
+  tessera_mpi_command(launcher ${T_RANKS})
+  # Lists travel to the script joined by "|" (a ";" would split the argument).
+  string(REPLACE ";" "|" args "${T_ARGS}")
+  string(REPLACE ";" "|" launcher "${launcher}")
+  add_test(NAME ${T_NAME}.np${T_RANKS}
+    COMMAND ${CMAKE_COMMAND}
+      "-DLAUNCHER=${launcher}" "-DPROGRAM=$<TARGET_FILE:${T_TARGET}>" "-DARGS=${args}"
+      "-DEXPECT=${T_REGEX}" -P ${PROJECT_SOURCE_DIR}/cmake/expect_failure.cmake)
+  set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
+    TIMEOUT 60
+    ENVIRONMENT "${TESSERA_MPI_TEST_ENV}"
+    LABELS "mpi;np${T_RANKS};invalid-input")
+endfunction()

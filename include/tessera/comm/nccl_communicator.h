@@ -1,0 +1,82 @@
+#pragma once
+// NCCL backend of the communicator interface (see docs/nccl-backend.md).
+//
+// CUDA tensors only, all on the one device given at creation. Every operation
+// runs on a communication stream owned by the communicator and is ordered
+// after the work already queued on the calling thread's current stream of
+// that device; Work::wait() orders the current stream after the operation
+// without blocking the host (Note [Work semantics] in communicator.h).
+//
+// <mpi.h> is included for MPI_Comm only; NCCL and CUDA types stay in the .cpp.
+#include "tessera/comm/communicator.h"
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+namespace tessera {
+namespace comm {
+
+namespace detail {
+struct NcclState;
+}  // namespace detail
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Collective over `bootstrap`: duplicates it (the duplicate is kept for
+  // split()), broadcasts an NCCL unique id from rank 0 and initialises the
+  // NCCL communicator on `cuda_device`. If any rank rejects its device, every
+  // rank throws instead of hanging.
+  static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device,
+                                                  const std::string& name);
+
+  // Not collective for MPI, but ncclCommDestroy may wait for peers to flush
+  // outstanding operations: destroy communicators on all ranks alike.
+  ~NcclCommunicator() override;
+
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  std::string backend() const override { return "nccl"; }
+  // The CUDA device index every tensor passed to this communicator must be on.
+  int device() const { return device_; }
+
+  WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
+  WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;
+  WorkPtr reduce(at::Tensor& tensor, const ReduceOptions& options = {}) override;
+  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input,
+                     const AllGatherOptions& options = {}) override;
+  WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                         const ReduceScatterOptions& options = {}) override;
+  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input,
+                     const AllToAllOptions& options = {}) override;
+  // NCCL has no tags: options.tag is ignored, and messages between a pair of
+  // ranks match in the order the calls are made.
+  WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
+  WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
+  // Unlike the other operations, a barrier blocks the host: the synchronous
+  // call returns, and wait() on the asynchronous one returns, only after all
+  // ranks' barriers (and the GPU work queued before them) have completed.
+  WorkPtr barrier(const BarrierOptions& options = {}) override;
+
+  // MPI_Comm_split of the bootstrap communicator, then create() on the child
+  // with the same device. Collective over this communicator.
+  CommunicatorPtr split(int color, int key, const std::string& name) override;
+
+ private:
+  NcclCommunicator(std::unique_ptr<detail::NcclState> state, int rank, int size, int device,
+                   std::string name);
+
+  std::unique_ptr<detail::NcclState> state_;
+  int rank_;
+  int size_;
+  int device_;
+  std::string name_;
+};
+
+}  // namespace comm
+}  // namespace tessera

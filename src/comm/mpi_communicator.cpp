@@ -1,0 +1,350 @@
+#include "tessera/comm/mpi_communicator.h"
+
+#include "mpi_types.h"
+#include "op_checks.h"
+#include "tessera/comm/mpi_check.h"
+#include "tessera/core/logging.h"
+
+#include <ATen/ATen.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <climits>
+#include <functional>
+
+namespace tessera {
+namespace comm {
+namespace {
+
+bool mpi_finalized() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  return finalized != 0;
+}
+
+bool query_cuda_aware() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
+int to_int_count(const Communicator& comm, OpType op, int64_t count) {
+  TORCH_CHECK(count <= INT_MAX, op_type_name(op), " on communicator '", comm.name(), "': ", count,
+              " elements exceed MPI's int count limit (", INT_MAX, "); split the tensor");
+  return static_cast<int>(count);
+}
+
+std::vector<int> to_int_counts(const Communicator& comm, OpType op, const std::vector<int64_t>& v) {
+  std::vector<int> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_int_count(comm, op, v[i]);
+  return out;
+}
+
+// A tensor as MPI sees it: itself when MPI can read its memory, otherwise a
+// host copy that is written back to the device tensor when the op finishes.
+struct Staged {
+  at::Tensor tensor;
+  at::Tensor host;
+  bool staged = false;
+
+  Staged(const at::Tensor& t, bool cuda_aware, bool copy_in) : tensor(t) {
+    staged = !t.device().is_cpu() && !(cuda_aware && t.is_cuda());
+    if (!staged) {
+      host = t;
+    } else {
+      host = copy_in ? t.to(at::kCPU) : at::empty(t.sizes(), t.options().device(at::kCPU));
+    }
+  }
+  void* data() const { return host.data_ptr(); }
+  void copy_back() {
+    if (staged) tensor.copy_(host);
+  }
+};
+
+// Note [MPI work completion]
+// A Work owns its MPI requests and the tensors they use. finish() runs once,
+// on the thread that observes completion: it applies what MPI cannot do
+// itself (average, copy back to the device) before the result is visible.
+class MpiWork : public Work {
+ public:
+  MpiWork(std::vector<MPI_Request> requests, std::vector<at::Tensor> keep_alive, std::function<void()> finish)
+      : requests_(std::move(requests)), keep_alive_(std::move(keep_alive)), finish_(std::move(finish)) {}
+
+  ~MpiWork() override {
+    if (done_ || mpi_finalized()) return;
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      log_message(LogLevel::kError, -1, std::string("MPI work failed while being destroyed: ") + e.what());
+    }
+  }
+
+  void wait() override {
+    if (done_) return;
+    TESSERA_MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    complete();
+  }
+
+  bool is_completed() override {
+    if (done_) return true;
+    int flag = 0;
+    TESSERA_MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+    if (flag) complete();
+    return done_;
+  }
+
+ private:
+  void complete() {
+    done_ = true;
+    if (finish_) finish_();
+    keep_alive_.clear();
+  }
+
+  std::vector<MPI_Request> requests_;
+  std::vector<at::Tensor> keep_alive_;
+  std::function<void()> finish_;
+  bool done_ = false;
+};
+
+// Issues `blocking` for synchronous calls and `nonblocking` otherwise; either
+// way `finish` runs after MPI has completed.
+template <typename Blocking, typename NonBlocking>
+WorkPtr issue(bool async, std::vector<at::Tensor> keep_alive, std::function<void()> finish,
+              Blocking blocking, NonBlocking nonblocking) {
+  if (!async) {
+    blocking();
+    if (finish) finish();
+    return completed_work();
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  nonblocking(&request);
+  return std::make_shared<MpiWork>(std::vector<MPI_Request>{request}, std::move(keep_alive), std::move(finish));
+}
+
+}  // namespace
+
+std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const std::string& name) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  TORCH_CHECK(initialized, "MpiCommunicator::create('", name,
+              "'): MPI is not initialized; create a tessera::comm::MpiRuntime first");
+  MPI_Comm dup = MPI_COMM_NULL;
+  TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup, name, std::make_shared<MpiTypes>()));
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types)
+    : comm_(comm), name_(std::move(name)), types_(std::move(types)) {
+  TESSERA_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  TESSERA_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  TESSERA_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  cuda_aware_ = query_cuda_aware();
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  if (comm_ != MPI_COMM_NULL && !mpi_finalized()) MPI_Comm_free(&comm_);
+}
+
+WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
+  const OpType op = OpType::kAllReduce;
+  check_tensor(*this, op, tensor, "input");
+  check_reduce_op(*this, op, options.op, tensor.scalar_type());
+  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const int count = to_int_count(*this, op, tensor.numel());
+  MPI_Datatype type = types_->datatype(tensor.scalar_type());
+  MPI_Op mpi_op = types_->op(options.op, tensor.scalar_type());
+  const bool avg = options.op == ReduceOp::kAvg;
+  const int n = size_;
+  auto finish = [buf, avg, n]() {
+    if (avg) buf->host.div_(n);
+    buf->copy_back();
+  };
+  return issue(
+      options.async, {buf->host, tensor}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf->data(), count, type, mpi_op, comm_)); },
+      [&](MPI_Request* r) {
+        TESSERA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf->data(), count, type, mpi_op, comm_, r));
+      });
+}
+
+WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
+  const OpType op = OpType::kBroadcast;
+  check_tensor(*this, op, tensor, "input");
+  check_rank(*this, op, "root", options.root, true);
+  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, rank_ == options.root);
+  const int count = to_int_count(*this, op, tensor.numel());
+  MPI_Datatype type = types_->datatype(tensor.scalar_type());
+  const int root = options.root;
+  auto finish = [buf]() { buf->copy_back(); };
+  return issue(
+      options.async, {buf->host, tensor}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf->data(), count, type, root, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibcast(buf->data(), count, type, root, comm_, r)); });
+}
+
+WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
+  const OpType op = OpType::kReduce;
+  check_tensor(*this, op, tensor, "input");
+  check_rank(*this, op, "root", options.root, true);
+  check_reduce_op(*this, op, options.op, tensor.scalar_type());
+  const bool is_root = rank_ == options.root;
+  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const int count = to_int_count(*this, op, tensor.numel());
+  MPI_Datatype type = types_->datatype(tensor.scalar_type());
+  MPI_Op mpi_op = types_->op(options.op, tensor.scalar_type());
+  const bool avg = options.op == ReduceOp::kAvg;
+  const int n = size_;
+  const int root = options.root;
+  // Only the root receives; MPI_IN_PLACE there keeps the other ranks' tensors unchanged.
+  void* send = is_root ? MPI_IN_PLACE : buf->data();
+  void* recv = is_root ? buf->data() : nullptr;
+  auto finish = [buf, avg, n, is_root]() {
+    if (!is_root) return;
+    if (avg) buf->host.div_(n);
+    buf->copy_back();
+  };
+  return issue(
+      options.async, {buf->host, tensor}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Reduce(send, recv, count, type, mpi_op, root, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ireduce(send, recv, count, type, mpi_op, root, comm_, r)); });
+}
+
+WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
+  const OpType op = OpType::kAllGather;
+  check_tensor(*this, op, input, "input");
+  check_tensor(*this, op, output, "output");
+  check_same_dtype(*this, op, output, input);
+  check_numel(*this, op, "output", output.numel(), input.numel() * size_,
+              "all_gather output must hold size() x input elements");
+  const int count = to_int_count(*this, op, input.numel());
+  MPI_Datatype type = types_->datatype(input.scalar_type());
+  // An input that already sits at this rank's place in the output (as ZeRO's
+  // flat buffers do) is gathered in place, which MPI requires for aliasing.
+  const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
+  const bool in_place = input.device() == output.device() &&
+                        input.data_ptr() == static_cast<char*>(output.data_ptr()) + rank_ * bytes;
+  auto out = std::make_shared<Staged>(output, cuda_aware_, in_place);
+  auto in = std::make_shared<Staged>(input, cuda_aware_, !in_place);
+  const void* send = in_place ? MPI_IN_PLACE : in->data();
+  auto finish = [out]() { out->copy_back(); };
+  return issue(
+      options.async, {out->host, in->host, output, input}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Allgather(send, count, type, out->data(), count, type, comm_)); },
+      [&](MPI_Request* r) {
+        TESSERA_MPI_CHECK(MPI_Iallgather(send, count, type, out->data(), count, type, comm_, r));
+      });
+}
+
+WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                        const ReduceScatterOptions& options) {
+  const OpType op = OpType::kReduceScatter;
+  check_tensor(*this, op, input, "input");
+  check_tensor(*this, op, output, "output");
+  check_same_dtype(*this, op, output, input);
+  check_reduce_op(*this, op, options.op, input.scalar_type());
+  check_numel(*this, op, "input", input.numel(), output.numel() * size_,
+              "reduce_scatter input must hold size() x output elements");
+  const int count = to_int_count(*this, op, output.numel());
+  MPI_Datatype type = types_->datatype(input.scalar_type());
+  MPI_Op mpi_op = types_->op(options.op, input.scalar_type());
+  auto out = std::make_shared<Staged>(output, cuda_aware_, false);
+  auto in = std::make_shared<Staged>(input, cuda_aware_, true);
+  const bool avg = options.op == ReduceOp::kAvg;
+  const int n = size_;
+  auto finish = [out, avg, n]() {
+    if (avg) out->host.div_(n);
+    out->copy_back();
+  };
+  return issue(
+      options.async, {out->host, in->host, output, input}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Reduce_scatter_block(in->data(), out->data(), count, type, mpi_op, comm_)); },
+      [&](MPI_Request* r) {
+        TESSERA_MPI_CHECK(MPI_Ireduce_scatter_block(in->data(), out->data(), count, type, mpi_op, comm_, r));
+      });
+}
+
+WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
+  const OpType op = OpType::kAllToAll;
+  check_tensor(*this, op, input, "input");
+  check_tensor(*this, op, output, "output");
+  check_same_dtype(*this, op, output, input);
+  const AllToAllLayout layout = all_to_all_layout(*this, output, input, options);
+  MPI_Datatype type = types_->datatype(input.scalar_type());
+  auto out = std::make_shared<Staged>(output, cuda_aware_, false);
+  auto in = std::make_shared<Staged>(input, cuda_aware_, true);
+  auto finish = [out]() { out->copy_back(); };
+  std::vector<at::Tensor> keep = {out->host, in->host, output, input};
+  if (layout.equal) {
+    const int count = to_int_count(*this, op, layout.send_counts.empty() ? 0 : layout.send_counts[0]);
+    return issue(
+        options.async, keep, finish,
+        [&] { TESSERA_MPI_CHECK(MPI_Alltoall(in->data(), count, type, out->data(), count, type, comm_)); },
+        [&](MPI_Request* r) {
+          TESSERA_MPI_CHECK(MPI_Ialltoall(in->data(), count, type, out->data(), count, type, comm_, r));
+        });
+  }
+  // MPI_Ialltoallv reads the count arrays until completion: the Work keeps them.
+  auto counts = std::make_shared<std::vector<std::vector<int>>>(std::vector<std::vector<int>>{
+      to_int_counts(*this, op, layout.send_counts), to_int_counts(*this, op, layout.send_displs),
+      to_int_counts(*this, op, layout.recv_counts), to_int_counts(*this, op, layout.recv_displs)});
+  auto& c = *counts;
+  auto finish_v = [out, counts]() { out->copy_back(); };
+  return issue(
+      options.async, keep, finish_v,
+      [&] {
+        TESSERA_MPI_CHECK(MPI_Alltoallv(in->data(), c[0].data(), c[1].data(), type, out->data(), c[2].data(),
+                                        c[3].data(), type, comm_));
+      },
+      [&](MPI_Request* r) {
+        TESSERA_MPI_CHECK(MPI_Ialltoallv(in->data(), c[0].data(), c[1].data(), type, out->data(), c[2].data(),
+                                         c[3].data(), type, comm_, r));
+      });
+}
+
+WorkPtr MpiCommunicator::send(const at::Tensor& tensor, int dst, const SendOptions& options) {
+  const OpType op = OpType::kSend;
+  check_tensor(*this, op, tensor, "input");
+  check_rank(*this, op, "destination", dst, false);
+  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const int count = to_int_count(*this, op, tensor.numel());
+  MPI_Datatype type = types_->datatype(tensor.scalar_type());
+  const int tag = options.tag;
+  return issue(
+      options.async, {buf->host, tensor}, nullptr,
+      [&] { TESSERA_MPI_CHECK(MPI_Send(buf->data(), count, type, dst, tag, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf->data(), count, type, dst, tag, comm_, r)); });
+}
+
+WorkPtr MpiCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
+  const OpType op = OpType::kRecv;
+  check_tensor(*this, op, tensor, "output");
+  check_rank(*this, op, "source", src, false);
+  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, false);
+  const int count = to_int_count(*this, op, tensor.numel());
+  MPI_Datatype type = types_->datatype(tensor.scalar_type());
+  const int tag = options.tag;
+  auto finish = [buf]() { buf->copy_back(); };
+  return issue(
+      options.async, {buf->host, tensor}, finish,
+      [&] { TESSERA_MPI_CHECK(MPI_Recv(buf->data(), count, type, src, tag, comm_, MPI_STATUS_IGNORE)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf->data(), count, type, src, tag, comm_, r)); });
+}
+
+WorkPtr MpiCommunicator::barrier(const BarrierOptions& options) {
+  return issue(
+      options.async, {}, nullptr, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibarrier(comm_, r)); });
+}
+
+CommunicatorPtr MpiCommunicator::split(int color, int key, const std::string& name) {
+  MPI_Comm child = MPI_COMM_NULL;
+  TESSERA_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child));
+  if (child == MPI_COMM_NULL) return nullptr;
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(child, name, types_));
+}
+
+}  // namespace comm
+}  // namespace tessera

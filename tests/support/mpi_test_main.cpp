@@ -1,0 +1,78 @@
+// GoogleTest main for tests that run on several MPI ranks.
+//
+// - MPI is initialized before and finalized after all tests.
+// - Rank 0 prints the usual gtest output; other ranks print only their
+//   failures, prefixed with their rank.
+// - After each test the ranks agree on its outcome: a test that failed on any
+//   rank is failed on every rank, naming the ranks where it failed, and every
+//   rank exits non-zero.
+#include "tessera/comm/mpi_runtime.h"
+#include "tessera/core/threads.h"
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.summary());
+    std::fflush(stderr);
+  }
+
+ private:
+  int rank_;
+};
+
+class CrossRankOutcome : public ::testing::EmptyTestEventListener {
+ public:
+  CrossRankOutcome(int rank, int size) : rank_(rank), size_(size) {}
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    int failed = info.result()->Failed() ? 1 : 0;
+    std::string ranks;
+    std::vector<int> all(size_);
+    MPI_Allgather(&failed, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    bool others = false;
+    for (int r = 0; r < size_; ++r) {
+      if (!all[r]) continue;
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      others = others || r != rank_;
+    }
+    // Runs before the result printer (end events go to listeners in reverse
+    // order), so the added failure is printed as part of this test.
+    if (others && !failed) ADD_FAILURE() << "this test failed on rank(s) " << ranks;
+  }
+
+ private:
+  int rank_;
+  int size_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessera::comm::MpiRuntime mpi(&argc, &argv);
+  tessera::limit_threads(1);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  int size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (rank != 0) {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(rank));
+  }
+  listeners.Append(new CrossRankOutcome(rank, size));
+  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  int any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  return any;
+}
