@@ -20,7 +20,7 @@
 
 #include <ATen/ATen.h>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 #include <mpi.h>
 
 #include <algorithm>

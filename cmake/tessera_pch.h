@@ -2,5 +2,5 @@
 // docs/building.md). Only headers that most sources need anyway.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <fmt/core.h>
+#include <fmt/format.h>
 #include <mpi.h>

@@ -9,7 +9,7 @@
 
 #include <ATen/ATen.h>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <cstring>
 #include <string>

@@ -3,6 +3,8 @@
 #include "tessera/context/launch.h"
 #include "tessera/context/parallel_config.h"
 
+#include "test_util.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -16,24 +18,6 @@ namespace tessera {
 namespace context {
 namespace {
 
-std::string error_of(const std::function<void()>& statement) {
-  try {
-    statement();
-  } catch (const c10::Error& e) {
-    return e.msg();
-  }
-  return "<no c10::Error thrown>";
-}
-
-#define EXPECT_ERROR_CONTAINS(statement, ...)                           \
-  do {                                                                  \
-    const std::string message_ = error_of([&] { statement; });          \
-    for (const char* part_ : {__VA_ARGS__}) {                           \
-      EXPECT_NE(message_.find(part_), std::string::npos)                \
-          << #statement << "\n  message: " << message_ << "\n  lacks: " \
-          << part_;                                                     \
-    }                                                                   \
-  } while (0)
 
 ParallelConfig from_args(std::vector<const char*> args) {
   args.insert(args.begin(), "prog");

@@ -2,6 +2,8 @@
 // partition property over many configs, order strings, and seeds.
 #include "tessera/context/rank_grid.h"
 
+#include "test_util.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -18,24 +20,6 @@ namespace {
 using Groups = std::vector<std::vector<int>>;
 using M = ParallelMode;
 
-std::string error_of(const std::function<void()>& statement) {
-  try {
-    statement();
-  } catch (const c10::Error& e) {
-    return e.msg();
-  }
-  return "<no c10::Error thrown>";
-}
-
-#define EXPECT_ERROR_CONTAINS(statement, ...)                           \
-  do {                                                                  \
-    const std::string message_ = error_of([&] { statement; });          \
-    for (const char* part_ : {__VA_ARGS__}) {                           \
-      EXPECT_NE(message_.find(part_), std::string::npos)                \
-          << #statement << "\n  message: " << message_ << "\n  lacks: " \
-          << part_;                                                     \
-    }                                                                   \
-  } while (0)
 
 Groups singletons(int world) {
   Groups groups;

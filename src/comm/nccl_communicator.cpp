@@ -51,12 +51,6 @@ void agree_or_throw(MPI_Comm comm, int rank, int size, const std::string& proble
               " (see the error reported there)");
 }
 
-// The prefix of op_checks.h's messages, so NCCL's own checks read alike.
-std::string where(const Communicator& comm, OpType op) {
-  return op_type_name(op) + " on communicator '" + comm.name() + "' (size " +
-         std::to_string(comm.size()) + ")";
-}
-
 // The shared checks, then what NCCL adds: a CUDA tensor on this
 // communicator's device, of a dtype this NCCL carries.
 ncclDataType_t check_nccl_tensor(const NcclCommunicator& comm, OpType op,

@@ -9,11 +9,6 @@ namespace tessera {
 namespace comm {
 namespace {
 
-std::string where(const Communicator& comm, OpType op) {
-  return op_type_name(op) + " on communicator '" + comm.name() + "' (size " +
-         std::to_string(comm.size()) + ")";
-}
-
 std::vector<int64_t> row_counts(const std::vector<int64_t>& splits, int64_t row_numel) {
   std::vector<int64_t> counts(splits.size());
   for (size_t i = 0; i < splits.size(); ++i) counts[i] = splits[i] * row_numel;
@@ -27,6 +22,10 @@ std::vector<int64_t> displacements(const std::vector<int64_t>& counts) {
 }
 
 }  // namespace
+
+std::string where(const Communicator& comm, OpType op) {
+  return op_type_name(op) + " on communicator '" + comm.name() + "' (size " + std::to_string(comm.size()) + ")";
+}
 
 void check_tensor(const Communicator& comm, OpType op, const at::Tensor& tensor, const char* what) {
   TORCH_CHECK(tensor.defined(), where(comm, op), ": the ", what, " tensor is undefined");

@@ -5,10 +5,14 @@
 #include "tessera/comm/communicator.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace tessera {
 namespace comm {
+
+// "all_reduce on communicator 'data' (size 4)": how every message starts.
+std::string where(const Communicator& comm, OpType op);
 
 // Defined, contiguous, of a supported dtype.
 void check_tensor(const Communicator& comm, OpType op, const at::Tensor& tensor, const char* what);

@@ -1,7 +1,7 @@
 #include "tessera/comm/tracing_communicator.h"
 
 #include <c10/util/Exception.h>
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 namespace tessera {
 namespace comm {

@@ -2,6 +2,8 @@
 
 #include "tessera/core/error.h"
 
+#include <torch/cuda.h>
+
 #include <cerrno>
 #include <cstdlib>
 #include <functional>
@@ -125,6 +127,11 @@ c10::Device pick_device(const LaunchInfo& info, int cuda_device_count) {
   if (cuda_device_count == 0) return c10::Device(c10::DeviceType::CPU);
   return c10::Device(c10::DeviceType::CUDA,
                      static_cast<c10::DeviceIndex>(info.local_rank % cuda_device_count));
+}
+
+
+c10::Device local_device() {
+  return pick_device(detect_launch(), static_cast<int>(torch::cuda::device_count()));
 }
 
 }  // namespace context

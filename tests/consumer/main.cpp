@@ -8,10 +8,11 @@
 int main(int argc, char** argv) {
   tessera::comm::MpiRuntime mpi(&argc, &argv);
   tessera::limit_threads(1);
-  auto world = tessera::comm::make_world_communicator();
+  const c10::Device device = tessera::context::local_device();  // a GPU when there is one
+  auto world = tessera::comm::make_world_communicator({tessera::comm::Backend::kAuto, device});
   auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
   auto data = ctx->comm(tessera::context::ParallelMode::kData);
-  at::Tensor t = at::ones({4});
+  at::Tensor t = at::ones({4}, at::TensorOptions().device(device));
   data->all_reduce(t);
   const bool ok = t[0].item<float>() == static_cast<float>(data->size());
   std::printf("consumer rank %d of %d: tessera %s, data size %d, all_reduce %s\n", world->rank(), world->size(),

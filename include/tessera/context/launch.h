@@ -37,5 +37,9 @@ LaunchInfo detect_launch(const std::map<std::string, std::string>& env);
 // so that this stays free of CUDA and testable without a GPU.
 c10::Device pick_device(const LaunchInfo& info, int cuda_device_count);
 
+// pick_device(detect_launch(), number of CUDA devices LibTorch sees): the
+// device this process should use. Pass it to comm::make_world_communicator.
+c10::Device local_device();
+
 }  // namespace context
 }  // namespace tessera

@@ -2,7 +2,7 @@
 // Rank-tagged logging through fmt. Messages go to stderr with a
 // "[tessera rank R]" prefix so that interleaved output of many ranks can be
 // told apart; log_rank0 prints only on the given rank 0.
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <cstdio>
 #include <string>
