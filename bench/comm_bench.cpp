@@ -2,11 +2,12 @@
 // in the manner of nccl-tests: sizes from --min-bytes to --max-bytes, times
 // --factor; warm-up; timed iterations; time, algbw, busbw and the number of
 // wrong elements per size and operation; the raw MPI call timed in the same
-// run, on the same buffers, interleaved with tessera's in rounds so that
-// drift and noise hit both alike.
+// run, on the same buffers, interleaved with tessera's in rounds (alternating
+// which goes first) so that drift and noise hit both alike.
 //
 //   mpirun -np 4 comm_bench [--json] [--ops all_reduce,all_gather,...]
-//       [--min-bytes 8] [--max-bytes 64M] [--factor 2] [--rounds 7]
+//       [--min-bytes 8] [--max-bytes 64M] [--factor 2] [--rounds 41]
+//       [--round-ms 10]
 //       [--dtype float32|float64|int32|int64]
 //
 // Note [Bus bandwidth]
@@ -15,7 +16,8 @@
 // busbw = algbw * factor, the bandwidth a ring implementation puts on each
 // link: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
 // broadcast, reduce 1. Times are per iteration, the maximum over ranks of the
-// median over rounds.
+// median over rounds. ratio = tessera busbw / MPI busbw, as the median over
+// rounds of the ratio within each round's back-to-back pair.
 #include <tessera/tessera.h>
 
 #include <ATen/ATen.h>
@@ -41,8 +43,9 @@ struct Args {
   int64_t min_bytes = 8;
   int64_t max_bytes = 64 << 20;
   int factor = 2;
-  int rounds = 7;
+  int rounds = 41;
   int warmup = 3;
+  double round_ms = 10;  // target duration of one timed round
   std::string dtype = "float32";
   std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"};
 };
@@ -73,6 +76,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--factor") a.factor = std::stoi(next());
     else if (f == "--rounds") a.rounds = std::stoi(next());
     else if (f == "--warmup") a.warmup = std::stoi(next());
+    else if (f == "--round-ms") a.round_ms = std::stod(next());
     else if (f == "--dtype") a.dtype = next();
     else if (f == "--ops") {
       a.ops.clear();
@@ -236,20 +240,28 @@ int main(int argc, char** argv) {
         int64_t count = std::max<int64_t>(bytes / esize, 1);
         if (op != "all_reduce" && op != "broadcast" && op != "reduce") count = std::max<int64_t>(count / n * n, n);
         Bench b = make_bench(op, count, dtype, *comm, raw);
-        // Calibrate: enough iterations for ~20 ms per round, at least 2.
+        // Calibrate: enough iterations for --round-ms per round, at least 1.
         for (int i = 0; i < args.warmup; ++i) {
           b.tessera_call();
           b.mpi_call();
         }
         const double one = time_calls(b.tessera_call, 1, raw);
-        const int iters = static_cast<int>(std::clamp(0.02 / std::max(one, 1e-7), 2.0, 1000.0));
+        const int iters = static_cast<int>(std::clamp(args.round_ms * 1e-3 / std::max(one, 1e-7), 1.0, 2000.0));
         std::vector<double> ours, theirs;
+        // Which of the two goes first alternates, so neither profits from
+        // always following the other (warm caches, a neighbour's timing).
         for (int round = 0; round < args.rounds; ++round) {
-          ours.push_back(time_calls(b.tessera_call, iters, raw));
+          if (round % 2 == 0) ours.push_back(time_calls(b.tessera_call, iters, raw));
           theirs.push_back(time_calls(b.mpi_call, iters, raw));
+          if (round % 2 == 1) ours.push_back(time_calls(b.tessera_call, iters, raw));
         }
         int64_t wrong = b.count_wrong(), total_wrong = 0;
         MPI_Allreduce(&wrong, &total_wrong, 1, MPI_INT64_T, MPI_SUM, raw);
+        // The ratio is the median of per-round ratios: each round's pair ran
+        // back to back, so slow drift of the machine cancels within a pair.
+        std::vector<double> paired;
+        for (int round = 0; round < args.rounds; ++round) paired.push_back(theirs[round] / ours[round]);
+        const double ratio = median(paired);
         const double t = median(ours), tb = median(theirs);
         const double algbw = b.bytes / t / 1e9, busbw = algbw * b.bus_factor;
         const double base_busbw = b.bytes / tb / 1e9 * b.bus_factor;
@@ -260,10 +272,10 @@ int main(int argc, char** argv) {
                      "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
                      "\"wrong\": {}}}\n",
                      op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw,
-                     busbw / base_busbw, total_wrong);
+                     ratio, total_wrong);
         } else {
           fmt::print("  {:<15}{:>12}{:>12.2f}{:>11.3f}{:>11.3f}{:>9}{:>12.2f}{:>11.3f}{:>9.3f}\n", op, b.bytes, t * 1e6,
-                     algbw, busbw, total_wrong, tb * 1e6, base_busbw, busbw / base_busbw);
+                     algbw, busbw, total_wrong, tb * 1e6, base_busbw, ratio);
         }
         std::fflush(stdout);
       }

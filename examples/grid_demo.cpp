@@ -4,7 +4,8 @@
 //
 //   mpirun -np 8 tessera_demo --dp 2 --pp 2 --tp 2 [--tp-mode 2d ...]
 //   mpirun -np 8 tessera_demo --config parallel.json
-//   flags: --no-collectives (grid only), --check (TESSERA_CHECK_COLLECTIVES)
+//   flags: --no-collectives (grid only), --check (TESSERA_CHECK_COLLECTIVES),
+//          --verbose (every rank's coordinates, groups and seeds)
 #include <tessera/tessera.h>
 
 #include <ATen/ATen.h>
@@ -48,6 +49,27 @@ std::string gather_text(Communicator& world, const std::string& text) {
   for (int r = 0; r < world.size(); ++r)
     out.append(static_cast<const char*>(all.data_ptr()) + r * longest, lengths[r].item<int64_t>());
   return out;
+}
+
+// The grid as one table of coordinates and every mode's groups.
+void print_grid(const tessera::context::RankGrid& grid) {
+  using tessera::context::Dim;
+  const Dim dims[] = {Dim::kTensor, Dim::kSequence, Dim::kData, Dim::kPipeline};
+  fmt::print("rank ");
+  for (Dim d : dims) fmt::print(" {:>3}", tessera::context::dim_name(d));
+  fmt::print("\n");
+  for (int r = 0; r < grid.world_size(); ++r) {
+    fmt::print("{:>4} ", r);
+    for (Dim d : dims) fmt::print(" {:>3}", grid.coordinate(d, r));
+    fmt::print("\n");
+  }
+  fmt::print("\ngroups of each mode (members in group order):\n");
+  for (auto mode : grid.modes()) {
+    std::string groups;
+    for (const auto& g : grid.groups(mode)) groups += " " + tessera::join_list(g);
+    fmt::print("  {:<17}{}\n", tessera::context::mode_name(mode), groups);
+  }
+  fmt::print("\n");
 }
 
 // Runs each collective once on `c` with values whose result is known, and
@@ -102,8 +124,12 @@ int run(int argc, char** argv) {
                world->size(), world->backend());
     fmt::print("config: {}\n\n", tessera::context::to_string(ctx->config()));
   }
-  const std::string text = gather_text(*world, ctx->describe() + "\n");
-  if (root) fmt::print("{}", text);
+  if (has_flag(argc, argv, "--verbose")) {
+    const std::string text = gather_text(*world, ctx->describe() + "\n");
+    if (root) fmt::print("{}", text);
+  } else if (root) {
+    print_grid(ctx->grid());
+  }
   if (has_flag(argc, argv, "--no-collectives")) return 0;
 
   int failures = 0;
