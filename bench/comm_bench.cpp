@@ -70,19 +70,28 @@ Args parse(int argc, char** argv) {
       TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value");
       return argv[++i];
     };
-    if (f == "--json") a.json = true;
-    else if (f == "--min-bytes") a.min_bytes = parse_bytes(next());
-    else if (f == "--max-bytes") a.max_bytes = parse_bytes(next());
-    else if (f == "--factor") a.factor = std::stoi(next());
-    else if (f == "--rounds") a.rounds = std::stoi(next());
-    else if (f == "--warmup") a.warmup = std::stoi(next());
-    else if (f == "--round-ms") a.round_ms = std::stod(next());
-    else if (f == "--dtype") a.dtype = next();
+    if (f == "--json")
+      a.json = true;
+    else if (f == "--min-bytes")
+      a.min_bytes = parse_bytes(next());
+    else if (f == "--max-bytes")
+      a.max_bytes = parse_bytes(next());
+    else if (f == "--factor")
+      a.factor = std::stoi(next());
+    else if (f == "--rounds")
+      a.rounds = std::stoi(next());
+    else if (f == "--warmup")
+      a.warmup = std::stoi(next());
+    else if (f == "--round-ms")
+      a.round_ms = std::stod(next());
+    else if (f == "--dtype")
+      a.dtype = next();
     else if (f == "--ops") {
       a.ops.clear();
       std::stringstream ss(next());
       for (std::string op; std::getline(ss, op, ',');) a.ops.push_back(op);
-    } else TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/comm_bench.cpp");
+    } else
+      TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/comm_bench.cpp");
   }
   TORCH_CHECK(a.factor >= 2 && a.rounds >= 1 && a.min_bytes >= 1 && a.max_bytes >= a.min_bytes,
               "need --factor >= 2, --rounds >= 1 and 1 <= --min-bytes <= --max-bytes");
@@ -91,11 +100,16 @@ Args parse(int argc, char** argv) {
 
 MPI_Datatype mpi_type(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return MPI_FLOAT;
-    case c10::kDouble: return MPI_DOUBLE;
-    case c10::kInt: return MPI_INT32_T;
-    case c10::kLong: return MPI_INT64_T;
-    default: TORCH_CHECK(false, "comm_bench baselines support float32, float64, int32 and int64");
+    case c10::kFloat:
+      return MPI_FLOAT;
+    case c10::kDouble:
+      return MPI_DOUBLE;
+    case c10::kInt:
+      return MPI_INT32_T;
+    case c10::kLong:
+      return MPI_INT64_T;
+    default:
+      TORCH_CHECK(false, "comm_bench baselines support float32, float64, int32 and int64");
   }
 }
 
@@ -185,8 +199,10 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Mp
     b.bytes = count * esize;
     b.tessera_call = [&comm, t]() mutable { comm.reduce(t); };
     b.mpi_call = [=]() {
-      if (r == 0) MPI_Reduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, 0, raw);
-      else MPI_Reduce(t.data_ptr(), nullptr, count, type, MPI_SUM, 0, raw);
+      if (r == 0)
+        MPI_Reduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, 0, raw);
+      else
+        MPI_Reduce(t.data_ptr(), nullptr, count, type, MPI_SUM, 0, raw);
     };
     b.count_wrong = [&comm, t, r, n]() mutable {
       t.fill_(r + 1);
@@ -194,7 +210,8 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Mp
       return r == 0 ? t.ne(n * (n + 1) / 2).sum().item<int64_t>() : int64_t{0};
     };
   } else {
-    TORCH_CHECK(false, "unknown op '", op, "'; ops: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all");
+    TORCH_CHECK(false, "unknown op '", op,
+                "'; ops: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all");
   }
   return b;
 }
@@ -232,8 +249,8 @@ int main(int argc, char** argv) {
     if (rank == 0 && !args.json) {
       fmt::print("# comm_bench: {} ranks, dtype {}, {} rounds, tessera {} (LibTorch {})\n", n, args.dtype, args.rounds,
                  TESSERA_VERSION, tessera::torch_version_string());
-      fmt::print("# {:<15}{:>12}{:>12}{:>11}{:>11}{:>9}{:>12}{:>11}{:>9}\n", "op", "bytes", "time_us", "algbw",
-                 "busbw", "#wrong", "mpi_us", "mpi_busbw", "ratio");
+      fmt::print("# {:<15}{:>12}{:>12}{:>11}{:>11}{:>9}{:>12}{:>11}{:>9}\n", "op", "bytes", "time_us", "algbw", "busbw",
+                 "#wrong", "mpi_us", "mpi_busbw", "ratio");
     }
     for (const auto& op : args.ops) {
       for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.factor) {
@@ -267,12 +284,13 @@ int main(int argc, char** argv) {
         const double base_busbw = b.bytes / tb / 1e9 * b.bus_factor;
         if (rank != 0) continue;
         if (args.json) {
-          fmt::print("{{\"op\": \"{}\", \"bytes\": {}, \"dtype\": \"{}\", \"ranks\": {}, \"iters\": {}, \"rounds\": {}, "
-                     "\"time_us\": {:.3f}, \"algbw_gbps\": {:.4f}, \"busbw_gbps\": {:.4f}, "
-                     "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
-                     "\"wrong\": {}}}\n",
-                     op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw,
-                     ratio, total_wrong);
+          fmt::print(
+              "{{\"op\": \"{}\", \"bytes\": {}, \"dtype\": \"{}\", \"ranks\": {}, \"iters\": {}, \"rounds\": {}, "
+              "\"time_us\": {:.3f}, \"algbw_gbps\": {:.4f}, \"busbw_gbps\": {:.4f}, "
+              "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
+              "\"wrong\": {}}}\n",
+              op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw, ratio,
+              total_wrong);
         } else {
           fmt::print("  {:<15}{:>12}{:>12.2f}{:>11.3f}{:>11.3f}{:>9}{:>12.2f}{:>11.3f}{:>9.3f}\n", op, b.bytes, t * 1e6,
                      algbw, busbw, total_wrong, tb * 1e6, base_busbw, ratio);

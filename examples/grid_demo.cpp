@@ -139,13 +139,15 @@ int run(int argc, char** argv) {
       at::Tensor bad = at::full({1}, static_cast<int>(wrong.size()), at::kInt);
       world->all_reduce(bad);
       failures += bad.item<int>();
-      if (!wrong.empty()) fmt::print(stderr, "rank {}: {} on '{}' wrong: {}\n", world->rank(), tessera::dtype_name(dtype),
-                                     tessera::context::mode_name(mode), tessera::join_list(wrong));
+      if (!wrong.empty())
+        fmt::print(stderr, "rank {}: {} on '{}' wrong: {}\n", world->rank(), tessera::dtype_name(dtype),
+                   tessera::context::mode_name(mode), tessera::join_list(wrong));
       if (root)
-        fmt::print("{:<18} size {}  {:<9} all_reduce broadcast reduce all_gather reduce_scatter all_to_all "
-                   "send/recv barrier: {}\n",
-                   tessera::context::mode_name(mode), ctx->size(mode), tessera::dtype_name(dtype),
-                   bad.item<int>() == 0 ? "ok" : "WRONG");
+        fmt::print(
+            "{:<18} size {}  {:<9} all_reduce broadcast reduce all_gather reduce_scatter all_to_all "
+            "send/recv barrier: {}\n",
+            tessera::context::mode_name(mode), ctx->size(mode), tessera::dtype_name(dtype),
+            bad.item<int>() == 0 ? "ok" : "WRONG");
     }
   }
   if (root) fmt::print("\n{}\n", failures == 0 ? "all collectives correct on every mode" : "SOME COLLECTIVES WRONG");

@@ -73,7 +73,8 @@ TEST(Checked, AllToAllSplitMismatchThrows) {
   if (c->rank() == 0) opts.output_split_sizes[1] = 2;  // expects 2 rows from rank 1, which sends 1
   at::Tensor in = at::ones({c->size(), 2});
   at::Tensor out = at::empty({c->size() + (c->rank() == 0 ? 1 : 0), 2});
-  EXPECT_TRUE(test::throws_with([&] { c->all_to_all(out, in, opts); }, "rank 1 sends 1 rows to rank 0, which expects 2"));
+  EXPECT_TRUE(
+      test::throws_with([&] { c->all_to_all(out, in, opts); }, "rank 1 sends 1 rows to rank 0, which expects 2"));
 }
 
 TEST(Checked, PointToPointMismatchThrowsOnReceiver) {

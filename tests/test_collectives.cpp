@@ -42,7 +42,9 @@ class Collectives : public ::testing::TestWithParam<Case> {
   void expect_equal(const at::Tensor& actual, const at::Tensor& expected) const {
     ASSERT_EQ(actual.scalar_type(), GetParam().dtype);
     EXPECT_TRUE(at::equal(actual.to(at::kDouble), expected.to(GetParam().dtype).to(at::kDouble)))
-        << "rank " << rank_ << "\nactual:\n" << actual << "\nexpected:\n" << expected;
+        << "rank " << rank_ << "\nactual:\n"
+        << actual << "\nexpected:\n"
+        << expected;
   }
   // rank r's contribution: (r + 1) * (i % 3 + 1), or for bool (r + i) % 2 == 0.
   at::Tensor contribution(int r, int64_t numel) const {

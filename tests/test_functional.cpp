@@ -77,7 +77,8 @@ TEST(Functional, CopyToGroup) {
 TEST(Functional, ReduceFromGroup) {
   auto c = test::world();
   at::Tensor x = at::full({2}, static_cast<double>(c->rank()), at::kDouble);
-  EXPECT_TRUE(at::allclose(comm::reduce_from_group(x, c), at::full({2}, c->size() * (c->size() - 1) / 2.0, at::kDouble)));
+  EXPECT_TRUE(
+      at::allclose(comm::reduce_from_group(x, c), at::full({2}, c->size() * (c->size() - 1) / 2.0, at::kDouble)));
   check_gradient([&](const at::Tensor& x) { return comm::reduce_from_group(x, c); }, {3, 2}, {3, 2}, {false, true});
 }
 
@@ -86,7 +87,8 @@ TEST(Functional, SplitAlongDim) {
   const int n = c->size();
   at::Tensor x = at::arange(2 * 3 * n, at::kDouble).reshape({2, 3 * n});
   EXPECT_TRUE(at::equal(comm::split_along_dim(x, 1, c), x.chunk(n, 1)[c->rank()]));
-  check_gradient([&](const at::Tensor& x) { return comm::split_along_dim(x, 1, c); }, {2, 2 * n}, {2, 2}, {true, false});
+  check_gradient([&](const at::Tensor& x) { return comm::split_along_dim(x, 1, c); }, {2, 2 * n}, {2, 2},
+                 {true, false});
 }
 
 TEST(Functional, GatherAlongDim) {
@@ -96,19 +98,22 @@ TEST(Functional, GatherAlongDim) {
   at::Tensor g = comm::gather_along_dim(x, 1, c);
   ASSERT_EQ(g.sizes(), (std::vector<int64_t>{2, 2 * n}));
   for (int r = 0; r < n; ++r) EXPECT_TRUE(at::equal(g.narrow(1, 2 * r, 2), at::full({2, 2}, double(r), at::kDouble)));
-  check_gradient([&](const at::Tensor& x) { return comm::gather_along_dim(x, 1, c); }, {2, 2}, {2, 2 * n}, {false, true});
+  check_gradient([&](const at::Tensor& x) { return comm::gather_along_dim(x, 1, c); }, {2, 2}, {2, 2 * n},
+                 {false, true});
 }
 
 TEST(Functional, AllGatherAlongDim) {
   auto c = test::world();
   const int n = c->size();
-  check_gradient([&](const at::Tensor& x) { return comm::all_gather_along_dim(x, 0, c); }, {2, 3}, {2 * n, 3}, {false, false});
+  check_gradient([&](const at::Tensor& x) { return comm::all_gather_along_dim(x, 0, c); }, {2, 3}, {2 * n, 3},
+                 {false, false});
 }
 
 TEST(Functional, ReduceScatterAlongDim) {
   auto c = test::world();
   const int n = c->size();
-  check_gradient([&](const at::Tensor& x) { return comm::reduce_scatter_along_dim(x, 1, c); }, {2, 2 * n}, {2, 2}, {false, false});
+  check_gradient([&](const at::Tensor& x) { return comm::reduce_scatter_along_dim(x, 1, c); }, {2, 2 * n}, {2, 2},
+                 {false, false});
 }
 
 TEST(Functional, AllToAllAlongDims) {

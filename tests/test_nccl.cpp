@@ -61,25 +61,24 @@ std::string gpu_problem() {
   const int devices = visible_devices(&why);
   if (devices == 0) return why;
   if (ranks_here > devices) {
-    return std::to_string(ranks_here) + " ranks on this node but only " +
-           std::to_string(devices) + " CUDA device(s); NCCL needs a device per rank";
+    return std::to_string(ranks_here) + " ranks on this node but only " + std::to_string(devices) +
+           " CUDA device(s); NCCL needs a device per rank";
   }
   return "";
 }
 
-#define TESSERA_REQUIRE_GPU()                                                   \
-  do {                                                                          \
-    const std::string tessera_why_ = gpu_problem();                             \
-    if (!tessera_why_.empty()) {                                                \
-      GTEST_SKIP() << "NCCL backend not exercised: " << tessera_why_;           \
-    }                                                                           \
+#define TESSERA_REQUIRE_GPU()                                         \
+  do {                                                                \
+    const std::string tessera_why_ = gpu_problem();                   \
+    if (!tessera_why_.empty()) {                                      \
+      GTEST_SKIP() << "NCCL backend not exercised: " << tessera_why_; \
+    }                                                                 \
   } while (0)
 
 #ifdef TESSERA_HAVE_C10_CUDA
 #define TESSERA_REQUIRE_CUDA_TENSORS() TESSERA_REQUIRE_GPU()
 #else
-#define TESSERA_REQUIRE_CUDA_TENSORS() \
-  GTEST_SKIP() << "this LibTorch has no CUDA, so no CUDA tensors can be created"
+#define TESSERA_REQUIRE_CUDA_TENSORS() GTEST_SKIP() << "this LibTorch has no CUDA, so no CUDA tensors can be created"
 #endif
 
 int world_rank() {
@@ -106,8 +105,7 @@ class NcclWorldEnvironment : public ::testing::Environment {
   }
 };
 
-::testing::Environment* const kNcclEnvironment =
-    ::testing::AddGlobalTestEnvironment(new NcclWorldEnvironment);
+::testing::Environment* const kNcclEnvironment = ::testing::AddGlobalTestEnvironment(new NcclWorldEnvironment);
 
 NcclCommunicator& nccl_world() {
   auto& world = NcclWorldEnvironment::world_ptr();
@@ -119,16 +117,12 @@ at::Device device_of(const NcclCommunicator& comm) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
 }
 
-const std::vector<c10::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16,
-                                              at::kHalf,  at::kInt,    at::kLong,
-                                              at::kByte,  at::kBool};
+const std::vector<c10::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                              at::kInt,   at::kLong,   at::kByte,     at::kBool};
 
-const std::vector<ReduceOp> kOps = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProduct,
-                                    ReduceOp::kMin, ReduceOp::kMax};
+const std::vector<ReduceOp> kOps = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax};
 
-bool supports(ReduceOp op, c10::ScalarType dtype) {
-  return op != ReduceOp::kAvg || c10::isFloatingType(dtype);
-}
+bool supports(ReduceOp op, c10::ScalarType dtype) { return op != ReduceOp::kAvg || c10::isFloatingType(dtype); }
 
 // Rank `rank`'s input: small non-negative integers (1 or 2 for products, so
 // that products over 8 ranks stay exact), as int64 on the CPU.
@@ -138,8 +132,7 @@ at::Tensor rank_values_long(int rank, int64_t numel, int salt, bool for_product)
   return (i * 3 + rank * 5 + salt).remainder(11);
 }
 
-at::Tensor rank_values(int rank, int64_t numel, c10::ScalarType dtype, int salt = 0,
-                       bool for_product = false) {
+at::Tensor rank_values(int rank, int64_t numel, c10::ScalarType dtype, int salt = 0, bool for_product = false) {
   if (dtype == at::kBool) {
     return (at::arange(numel, at::kLong) + rank + salt).remainder(3).eq(0);
   }
@@ -160,10 +153,18 @@ at::Tensor reduce_reference(ReduceOp op, c10::ScalarType dtype, int size,
     const at::Tensor next = input_of(r).to(wide);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: result = result + next; break;
-      case ReduceOp::kProduct: result = result * next; break;
-      case ReduceOp::kMin: result = at::minimum(result, next); break;
-      case ReduceOp::kMax: result = at::maximum(result, next); break;
+      case ReduceOp::kAvg:
+        result = result + next;
+        break;
+      case ReduceOp::kProduct:
+        result = result * next;
+        break;
+      case ReduceOp::kMin:
+        result = at::minimum(result, next);
+        break;
+      case ReduceOp::kMax:
+        result = at::maximum(result, next);
+        break;
     }
   }
   if (op == ReduceOp::kAvg) return result / size;  // float64; compared with a tolerance
@@ -177,8 +178,9 @@ void expect_result(const at::Tensor& actual_on_gpu, const at::Tensor& expected, 
     // NCCL pre-multiplies by 1/size in the dtype, then sums: one rounding per
     // term and per partial sum (unit roundoff 2^-8 bfloat16, 2^-11 float16).
     const double rtol = dtype == at::kBFloat16 ? 5e-2 : dtype == at::kHalf ? 1e-2 : 1e-5;
-    EXPECT_TRUE(at::allclose(actual.to(at::kDouble), expected.to(at::kDouble), rtol, 1e-6))
-        << "actual\n" << actual << "\nexpected\n" << expected;
+    EXPECT_TRUE(at::allclose(actual.to(at::kDouble), expected.to(at::kDouble), rtol, 1e-6)) << "actual\n"
+                                                                                            << actual << "\nexpected\n"
+                                                                                            << expected;
   } else {
     EXPECT_TRUE(at::equal(actual, expected)) << "actual\n" << actual << "\nexpected\n" << expected;
   }
@@ -196,15 +198,13 @@ std::string trace(c10::ScalarType dtype, bool async) {
 
 TEST(NcclCommunicator, CreateFailsOnEveryRankForABadDevice) {
   // Runs without a GPU too: the device check is agreed on over MPI first.
-  EXPECT_TRUE(test::throws_with([&] { NcclCommunicator::create(MPI_COMM_WORLD, -1, "bad"); },
-                                "failed on rank"));
+  EXPECT_TRUE(test::throws_with([&] { NcclCommunicator::create(MPI_COMM_WORLD, -1, "bad"); }, "failed on rank"));
 }
 
 TEST(NcclCommunicator, CreateFailsEverywhereWhenOneRankFails) {
   TESSERA_REQUIRE_GPU();
   const int device = world_rank() == 0 ? -1 : device_for_this_rank();
-  EXPECT_TRUE(test::throws_with([&] { NcclCommunicator::create(MPI_COMM_WORLD, device, "bad"); },
-                                "failed on rank 0"));
+  EXPECT_TRUE(test::throws_with([&] { NcclCommunicator::create(MPI_COMM_WORLD, device, "bad"); }, "failed on rank 0"));
 }
 
 TEST(NcclCommunicator, DescribesItself) {
@@ -244,8 +244,7 @@ TEST(NcclCommunicator, AvgNeedsAFloatingDtype) {
   TESSERA_REQUIRE_CUDA_TENSORS();
   for (c10::ScalarType dtype : {at::kInt, at::kLong, at::kByte, at::kBool}) {
     at::Tensor tensor = at::zeros({4}, at::TensorOptions(dtype).device(device_of(nccl_world())));
-    EXPECT_TRUE(test::throws_with([&] { nccl_world().all_reduce(tensor, {ReduceOp::kAvg}); },
-                                  "floating-point"));
+    EXPECT_TRUE(test::throws_with([&] { nccl_world().all_reduce(tensor, {ReduceOp::kAvg}); }, "floating-point"));
   }
 }
 
@@ -302,8 +301,7 @@ TEST(NcclCommunicator, AllGather) {
     for (bool async : {false, true}) {
       SCOPED_TRACE(trace(dtype, async));
       const at::Tensor input = rank_values(comm.rank(), n, dtype, 2).to(device_of(comm));
-      at::Tensor output =
-          at::empty({comm.size(), n}, at::TensorOptions(dtype).device(device_of(comm)));
+      at::Tensor output = at::empty({comm.size(), n}, at::TensorOptions(dtype).device(device_of(comm)));
       finish(comm.all_gather(output, input, {async}), async);
       std::vector<at::Tensor> pieces;
       for (int r = 0; r < comm.size(); ++r) pieces.push_back(rank_values(r, n, dtype, 2));
@@ -344,9 +342,7 @@ TEST(NcclCommunicator, AllToAllEqualSplits) {
   for (c10::ScalarType dtype : kDtypes) {
     for (bool async : {false, true}) {
       SCOPED_TRACE(trace(dtype, async));
-      auto input_of = [&](int r) {
-        return rank_values(r, comm.size() * rows * width, dtype, 4).view({-1, width});
-      };
+      auto input_of = [&](int r) { return rank_values(r, comm.size() * rows * width, dtype, 4).view({-1, width}); };
       const at::Tensor input = input_of(comm.rank()).to(device_of(comm));
       at::Tensor output = at::empty_like(input);
       AllToAllOptions options;
@@ -389,12 +385,9 @@ TEST(NcclCommunicator, AllToAllUnevenSplits) {
   for (c10::ScalarType dtype : kDtypes) {
     for (bool async : {false, true}) {
       SCOPED_TRACE(trace(dtype, async));
-      auto input_of = [&](int r) {
-        return rank_values(r, rows_of(r) * width, dtype, 5).view({-1, width});
-      };
+      auto input_of = [&](int r) { return rank_values(r, rows_of(r) * width, dtype, 5).view({-1, width}); };
       const at::Tensor input = input_of(me).to(device_of(comm));
-      at::Tensor output =
-          at::empty({out_rows, width}, at::TensorOptions(dtype).device(device_of(comm)));
+      at::Tensor output = at::empty({out_rows, width}, at::TensorOptions(dtype).device(device_of(comm)));
       options.async = async;
       finish(comm.all_to_all(output, input, options), async);
       std::vector<at::Tensor> pieces;
@@ -477,8 +470,7 @@ TEST(NcclCommunicator, Split) {
   EXPECT_EQ(half->backend(), "nccl");
   half->barrier();
 #ifdef TESSERA_HAVE_C10_CUDA
-  at::Tensor tensor =
-      at::full({5}, double(me + 1), at::TensorOptions(at::kDouble).device(device_of(comm)));
+  at::Tensor tensor = at::full({5}, double(me + 1), at::TensorOptions(at::kDouble).device(device_of(comm)));
   half->all_reduce(tensor);
   double expected = 0;
   for (int r = me % 2; r < size; r += 2) expected += r + 1;
@@ -521,15 +513,13 @@ TEST(NcclCommunicator, RejectsBadArguments) {
   only_input.input_split_sizes.assign(comm.size(), 0);
   at::Tensor rows = at::zeros({comm.size(), 2}, on_gpu);
   at::Tensor rows_out = at::zeros({comm.size(), 2}, on_gpu);
-  EXPECT_TRUE(
-      test::throws_with([&] { comm.all_to_all(rows_out, rows, only_input); }, "one entry per rank"));
+  EXPECT_TRUE(test::throws_with([&] { comm.all_to_all(rows_out, rows, only_input); }, "one entry per rank"));
   std::string why;
   if (visible_devices(&why) > 1) {
     const int other = (comm.device() + 1) % visible_devices(&why);
     const at::Device other_device(at::kCUDA, static_cast<c10::DeviceIndex>(other));
     at::Tensor elsewhere = at::zeros({4}, at::TensorOptions(at::kFloat).device(other_device));
-    EXPECT_TRUE(
-        test::throws_with([&] { comm.all_reduce(elsewhere); }, "this communicator uses cuda:"));
+    EXPECT_TRUE(test::throws_with([&] { comm.all_reduce(elsewhere); }, "this communicator uses cuda:"));
   }
 }
 

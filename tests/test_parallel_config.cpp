@@ -18,7 +18,6 @@ namespace tessera {
 namespace context {
 namespace {
 
-
 ParallelConfig from_args(std::vector<const char*> args) {
   args.insert(args.begin(), "prog");
   return config_from_args(static_cast<int>(args.size()), args.data());
@@ -34,8 +33,7 @@ TEST(ParallelConfigNames, RoundTrip) {
     EXPECT_EQ(parse_sequence_mode(sequence_mode_name(m)), m);
   }
   EXPECT_ERROR_CONTAINS(parse_tensor_mode("4d"), "unknown tensor mode '4d'", "1d, 2d, 2.5d, 3d");
-  EXPECT_ERROR_CONTAINS(parse_sequence_mode("megatron"), "unknown sequence mode 'megatron'",
-                        "ulysses, ring");
+  EXPECT_ERROR_CONTAINS(parse_sequence_mode("megatron"), "unknown sequence mode 'megatron'", "ulysses, ring");
 }
 
 TEST(ParallelConfig, DefaultsAndBuilder) {
@@ -58,7 +56,11 @@ TEST(ParallelConfig, DefaultsAndBuilder) {
   EXPECT_EQ(to_string(defaults), "dp=auto pp=1 tp=1(1d) sp=1(ulysses) ep=1 order=tp-sp-dp-pp seed=42");
   EXPECT_EQ(to_string(resolve(ParallelConfig().pipeline(2).tensor(2), 8)),
             "dp=2 pp=2 tp=2(1d) sp=1(ulysses) ep=1 order=tp-sp-dp-pp seed=42");
-  EXPECT_EQ(to_string(ParallelConfig().data(1).tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2)
+  EXPECT_EQ(to_string(ParallelConfig()
+                          .data(1)
+                          .tensor(8)
+                          .tensor_mode(TensorMode::k2p5D)
+                          .tensor_depth(2)
                           .sequence_mode(SequenceMode::kRing)),
             "dp=1 pp=1 tp=8(2.5d,depth=2) sp=1(ring) ep=1 order=tp-sp-dp-pp seed=42");
 }
@@ -68,9 +70,7 @@ TEST(ParallelConfigResolve, DerivesOrChecksData) {
   EXPECT_EQ(resolve(ParallelConfig(), 5).data(), 5);
   const ParallelConfig explicit_data = ParallelConfig().data(4).tensor(2);
   EXPECT_EQ(resolve(explicit_data, 8), explicit_data);
-  EXPECT_EQ(resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 8)
-                .data(),
-            1);
+  EXPECT_EQ(resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 8).data(), 1);
   EXPECT_EQ(resolve(ParallelConfig().tensor(4).tensor_mode(TensorMode::k2p5D), 4).data(), 1);
   EXPECT_EQ(resolve(ParallelConfig().tensor(27).tensor_mode(TensorMode::k3D), 54).data(), 2);
   EXPECT_EQ(resolve(ParallelConfig().tensor(1).tensor_mode(TensorMode::k2D), 3).data(), 3);
@@ -78,16 +78,15 @@ TEST(ParallelConfigResolve, DerivesOrChecksData) {
 }
 
 TEST(ParallelConfigResolve, WorldMustBeTheProduct) {
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().data(2).tensor(2), 8), "world size 8",
-                        "does not equal", "2*1*2*1 = 4");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().data(2).tensor(2), 8), "world size 8", "does not equal",
+                        "2*1*2*1 = 4");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(3), 8), "world size 8",
                         "not divisible by pipeline*tensor*sequence = 3");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig(), 0), "world size 0");
 }
 
 TEST(ParallelConfigResolve, SizesMustBePositive) {
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().pipeline(0), 4), "pipeline size 0",
-                        "at least 1");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().pipeline(0), 4), "pipeline size 0", "at least 1");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(-2), 4), "tensor size -2");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().sequence(0), 4), "sequence size 0");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().expert(0), 4), "expert size 0");
@@ -99,50 +98,37 @@ TEST(ParallelConfigResolve, TensorModeShapes) {
                         "tensor size 8 is not a perfect square, which tensor mode 2d requires");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(4).tensor_mode(TensorMode::k3D), 4),
                         "tensor size 4 is not a perfect cube, which tensor mode 3d requires");
-  EXPECT_ERROR_CONTAINS(
-      resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(3), 8),
-      "tensor size 8 is not divisible by tensor depth 3", "2.5d");
-  EXPECT_ERROR_CONTAINS(
-      resolve(ParallelConfig().tensor(12).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 12),
-      "tensor size 12 divided by tensor depth 2 is 6", "not a perfect square", "2.5d");
-  EXPECT_ERROR_CONTAINS(
-      resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(0), 8),
-      "tensor depth 0", "at least 1");
-  EXPECT_ERROR_CONTAINS(
-      resolve(ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).tensor_depth(2), 4),
-      "tensor depth 2", "tensor mode 2d", "only tensor mode 2.5d");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(2).tensor_depth(2), 2), "tensor depth 2",
-                        "tensor mode 1d");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(3), 8),
+                        "tensor size 8 is not divisible by tensor depth 3", "2.5d");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(12).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 12),
+                        "tensor size 12 divided by tensor depth 2 is 6", "not a perfect square", "2.5d");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(0), 8),
+                        "tensor depth 0", "at least 1");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).tensor_depth(2), 4),
+                        "tensor depth 2", "tensor mode 2d", "only tensor mode 2.5d");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(2).tensor_depth(2), 2), "tensor depth 2", "tensor mode 1d");
 }
 
 TEST(ParallelConfigResolve, ExpertMustDivideData) {
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().data(4).expert(3), 4),
-                        "expert size 3 does not divide data size 4");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(2).expert(3), 8),
-                        "expert size 3 does not divide data size 4");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().data(4).expert(3), 4), "expert size 3 does not divide data size 4");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(2).expert(3), 8), "expert size 3 does not divide data size 4");
 }
 
 TEST(ParallelConfigResolve, OrderIsAPermutation) {
-  EXPECT_EQ(parse_order("pp-dp-sp-tp"),
-            (std::vector<Dim>{Dim::kPipeline, Dim::kData, Dim::kSequence, Dim::kTensor}));
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp"), 1),
-                        "order 'tp-sp-dp' is missing dimension 'pp'", "tp, sp, dp, pp");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-tp-dp-pp"), 1),
-                        "repeats dimension 'tp'", "exactly once");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp-xx"), 1),
-                        "unknown dimension 'xx'", "tp, sp, dp, pp");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp-pp-ep"), 1),
-                        "unknown dimension 'ep'");
-  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp,sp,dp,pp"), 1),
-                        "unknown dimension 'tp,sp,dp,pp'");
+  EXPECT_EQ(parse_order("pp-dp-sp-tp"), (std::vector<Dim>{Dim::kPipeline, Dim::kData, Dim::kSequence, Dim::kTensor}));
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp"), 1), "order 'tp-sp-dp' is missing dimension 'pp'",
+                        "tp, sp, dp, pp");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-tp-dp-pp"), 1), "repeats dimension 'tp'", "exactly once");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp-xx"), 1), "unknown dimension 'xx'", "tp, sp, dp, pp");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp-pp-ep"), 1), "unknown dimension 'ep'");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp,sp,dp,pp"), 1), "unknown dimension 'tp,sp,dp,pp'");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp-pp-"), 1), "empty dimension");
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order(""), 1), "missing dimension 'tp'");
 }
 
 TEST(ParallelConfigFlags, ReadsEveryFlag) {
-  const ParallelConfig c =
-      from_args({"--dp", "2", "--pp=3", "--tp", "8", "--tp-mode", "2.5d", "--tp-depth=2", "--sp",
-                 "2", "--sp-mode=ring", "--ep", "2", "--order", "dp-tp-sp-pp", "--seed", "7"});
+  const ParallelConfig c = from_args({"--dp", "2", "--pp=3", "--tp", "8", "--tp-mode", "2.5d", "--tp-depth=2", "--sp",
+                                      "2", "--sp-mode=ring", "--ep", "2", "--order", "dp-tp-sp-pp", "--seed", "7"});
   const ParallelConfig expected = ParallelConfig()
                                       .data(2)
                                       .pipeline(3)
@@ -158,8 +144,8 @@ TEST(ParallelConfigFlags, ReadsEveryFlag) {
 }
 
 TEST(ParallelConfigFlags, IgnoresOtherArguments) {
-  const ParallelConfig c = from_args({"train.bin", "--lr", "0.1", "--tp", "2", "--verbose",
-                                      "--batch=32", "-x", "--", "--dp", "99"});
+  const ParallelConfig c =
+      from_args({"train.bin", "--lr", "0.1", "--tp", "2", "--verbose", "--batch=32", "-x", "--", "--dp", "99"});
   EXPECT_EQ(c, ParallelConfig().tensor(2));
   EXPECT_EQ(from_args({}), ParallelConfig());
   // Over a base config: only the given flags change.
@@ -201,26 +187,21 @@ TEST(ParallelConfigJson, ReadsEveryKey) {
                                       .order("dp-tp-sp-pp")
                                       .seed(18446744073709551615ULL);
   EXPECT_EQ(c, expected) << to_string(c);
-  EXPECT_EQ(config_from_json(R"({"tensor": 4, "sequence": 2})"),
-            ParallelConfig().tensor(4).sequence(2));
+  EXPECT_EQ(config_from_json(R"({"tensor": 4, "sequence": 2})"), ParallelConfig().tensor(4).sequence(2));
   EXPECT_EQ(config_from_json("{}"), ParallelConfig());
-  EXPECT_EQ(config_from_json(R"({"tensor": {"mode": "3d"}})"),
-            ParallelConfig().tensor_mode(TensorMode::k3D));
+  EXPECT_EQ(config_from_json(R"({"tensor": {"mode": "3d"}})"), ParallelConfig().tensor_mode(TensorMode::k3D));
 }
 
 TEST(ParallelConfigJson, RejectsUnknownKeysAndBadValues) {
-  EXPECT_ERROR_CONTAINS(config_from_json(R"({"pipline": 2})"), "unknown parallel config key 'pipline'",
-                        "pipeline");
-  EXPECT_ERROR_CONTAINS(config_from_json(R"({"tensor": {"sise": 2}})"),
-                        "unknown parallel config key 'tensor.sise'");
+  EXPECT_ERROR_CONTAINS(config_from_json(R"({"pipline": 2})"), "unknown parallel config key 'pipline'", "pipeline");
+  EXPECT_ERROR_CONTAINS(config_from_json(R"({"tensor": {"sise": 2}})"), "unknown parallel config key 'tensor.sise'");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"sequence": {"depth": 2}})"), "'sequence.depth'");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"data": "2"})"), "key 'data' must be an integer");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"data": 2.5})"), "key 'data' must be an integer");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"expert": 4294967296})"), "'expert' is out of range");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"seed": -3})"), "'seed' must be a non-negative");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"order": 5})"), "key 'order' must be a string");
-  EXPECT_ERROR_CONTAINS(config_from_json(R"({"tensor": {"mode": "2.75d"}})"),
-                        "unknown tensor mode '2.75d'");
+  EXPECT_ERROR_CONTAINS(config_from_json(R"({"tensor": {"mode": "2.75d"}})"), "unknown tensor mode '2.75d'");
   EXPECT_ERROR_CONTAINS(config_from_json(R"({"tensor": "big"})"), "key 'tensor' must be an integer");
   EXPECT_ERROR_CONTAINS(config_from_json("[1, 2]"), "must be a JSON object");
   EXPECT_ERROR_CONTAINS(config_from_json("{\"data\": "), "not valid JSON");
@@ -232,8 +213,7 @@ TEST(ParallelConfigJson, ReadsFiles) {
     std::ofstream out(path);
     out << R"({"tensor": {"size": 4, "mode": "2d"}, "pipeline": 2})";
   }
-  EXPECT_EQ(config_from_json_file(path),
-            ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).pipeline(2));
+  EXPECT_EQ(config_from_json_file(path), ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).pipeline(2));
   {
     std::ofstream out(path);
     out << R"({"tensor": {"size": 4, "modes": "2d"}})";
@@ -251,8 +231,7 @@ TEST(Launch, DefaultsWithoutLauncher) {
 }
 
 TEST(Launch, ReadsEachLauncher) {
-  LaunchInfo info = detect_launch(
-      {{"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  LaunchInfo info = detect_launch({{"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
   EXPECT_EQ(info.launcher, "openmpi");
   EXPECT_EQ(info.local_rank, 3);
   EXPECT_EQ(info.local_size, 4);
@@ -266,11 +245,9 @@ TEST(Launch, ReadsEachLauncher) {
   EXPECT_EQ(info.local_size, 8);
 
   // Node 3 of "4(x2),2(x2)" runs 2 tasks.
-  info = detect_launch(
-      {{"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2),2(x2)"}, {"SLURM_NODEID", "3"}});
+  info = detect_launch({{"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2),2(x2)"}, {"SLURM_NODEID", "3"}});
   EXPECT_EQ(info.local_size, 2);
-  info = detect_launch(
-      {{"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2),2(x2)"}, {"SLURM_NODEID", "1"}});
+  info = detect_launch({{"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2),2(x2)"}, {"SLURM_NODEID", "1"}});
   EXPECT_EQ(info.local_size, 4);
 
   info = detect_launch({{"LOCAL_RANK", "5"}, {"LOCAL_WORLD_SIZE", "8"}});
@@ -288,16 +265,14 @@ TEST(Launch, MpiWinsOverInheritedSlurm) {
 }
 
 TEST(Launch, RejectsBrokenEnvironments) {
-  EXPECT_ERROR_CONTAINS(detect_launch({{"LOCAL_RANK", "1"}}), "LOCAL_RANK is set",
-                        "LOCAL_WORLD_SIZE is not");
+  EXPECT_ERROR_CONTAINS(detect_launch({{"LOCAL_RANK", "1"}}), "LOCAL_RANK is set", "LOCAL_WORLD_SIZE is not");
   EXPECT_ERROR_CONTAINS(detect_launch({{"LOCAL_RANK", "x"}, {"LOCAL_WORLD_SIZE", "2"}}),
                         "LOCAL_RANK='x' is not a non-negative integer");
-  EXPECT_ERROR_CONTAINS(detect_launch({{"MPI_LOCALRANKID", "4"}, {"MPI_LOCALNRANKS", "4"}}),
-                        "local rank 4", "local size 4");
+  EXPECT_ERROR_CONTAINS(detect_launch({{"MPI_LOCALRANKID", "4"}, {"MPI_LOCALNRANKS", "4"}}), "local rank 4",
+                        "local size 4");
   EXPECT_ERROR_CONTAINS(detect_launch({{"SLURM_LOCALID", "0"}}), "SLURM_TASKS_PER_NODE");
-  EXPECT_ERROR_CONTAINS(
-      detect_launch({{"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "2"}, {"SLURM_NODEID", "1"}}),
-      "no entry for node 1");
+  EXPECT_ERROR_CONTAINS(detect_launch({{"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "2"}, {"SLURM_NODEID", "1"}}),
+                        "no entry for node 1");
 }
 
 TEST(Launch, PicksDevice) {

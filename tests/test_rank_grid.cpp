@@ -20,7 +20,6 @@ namespace {
 using Groups = std::vector<std::vector<int>>;
 using M = ParallelMode;
 
-
 Groups singletons(int world) {
   Groups groups;
   for (int r = 0; r < world; ++r) groups.push_back({r});
@@ -54,26 +53,24 @@ void expect_tensor_modes(const RankGrid& grid, TensorMode mode) {
       {TensorMode::k1D, {M::k1D}},
       {TensorMode::k2D, {M::k2DRow, M::k2DCol}},
       {TensorMode::k2p5D, {M::k2p5DRow, M::k2p5DCol, M::k2p5DDep, M::k2p5DXZ}},
-      {TensorMode::k3D,
-       {M::k3DInput, M::k3DWeight, M::k3DOutput, M::k3DInputWeight, M::k3DOutputWeight}},
+      {TensorMode::k3D, {M::k3DInput, M::k3DWeight, M::k3DOutput, M::k3DInputWeight, M::k3DOutputWeight}},
   };
   for (const auto& entry : sub_modes) {
     for (ParallelMode m : entry.second) {
       EXPECT_EQ(grid.has_mode(m), entry.first == mode) << mode_name(m);
     }
   }
-  for (ParallelMode m : {M::kGlobal, M::kData, M::kPipeline, M::kTensor, M::kSequence,
-                         M::kDataSequence, M::kModel, M::kExpert, M::kExpertData}) {
+  for (ParallelMode m : {M::kGlobal, M::kData, M::kPipeline, M::kTensor, M::kSequence, M::kDataSequence, M::kModel,
+                         M::kExpert, M::kExpertData}) {
     EXPECT_TRUE(grid.has_mode(m)) << mode_name(m);
   }
 }
 
 TEST(ModeNames, AllModesHaveDistinctNames) {
   const std::vector<std::string> expected = {
-      "global", "data", "pipeline", "tensor", "sequence", "data_sequence", "model",
-      "1d", "2d_row", "2d_col", "2.5d_row", "2.5d_col", "2.5d_dep", "2.5d_xz",
-      "3d_input", "3d_weight", "3d_output", "3d_input_weight", "3d_output_weight",
-      "expert", "expert_data"};
+      "global",   "data",      "pipeline",  "tensor",          "sequence",         "data_sequence", "model",
+      "1d",       "2d_row",    "2d_col",    "2.5d_row",        "2.5d_col",         "2.5d_dep",      "2.5d_xz",
+      "3d_input", "3d_weight", "3d_output", "3d_input_weight", "3d_output_weight", "expert",        "expert_data"};
   ASSERT_EQ(all_modes().size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) {
     EXPECT_EQ(mode_name(all_modes()[i]), expected[i]);
@@ -123,8 +120,7 @@ TEST(RankGrid, Tp4In2D) {
 }
 
 TEST(RankGrid, Tp8In2p5DDepth2) {
-  const RankGrid grid(
-      ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 8);
+  const RankGrid grid(ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), 8);
   expect_tensor_modes(grid, TensorMode::k2p5D);
   // q = 2, t = k·4 + i·2 + j.
   expect_groups(grid, M::k2p5DRow, {{0, 1}, {2, 3}, {4, 5}, {6, 7}});
@@ -206,9 +202,7 @@ std::vector<std::pair<ParallelConfig, int>> property_configs() {
       {ParallelConfig().tensor(27).tensor_mode(TensorMode::k3D), 27},
       {ParallelConfig().tensor(2).sequence(3).data(2).pipeline(2).order("sp-pp-tp-dp"), 24},
       {ParallelConfig().data(6).expert(3).tensor(2).sequence(2), 24},
-      {ParallelConfig().tensor(9).tensor_mode(TensorMode::k2D).sequence(2).expert(2).order(
-           "dp-sp-pp-tp"),
-       36},
+      {ParallelConfig().tensor(9).tensor_mode(TensorMode::k2D).sequence(2).expert(2).order("dp-sp-pp-tp"), 36},
   };
 }
 
@@ -253,8 +247,7 @@ TEST(RankGrid, EveryModePartitionsTheWorld) {
     }
     if (grid.has_mode(M::k2p5DRow)) {
       EXPECT_EQ(grid.group_size(M::k2p5DDep), c.tensor_depth());
-      EXPECT_EQ(grid.group_size(M::k2p5DXZ),
-                grid.group_size(M::k2p5DCol) * grid.group_size(M::k2p5DDep));
+      EXPECT_EQ(grid.group_size(M::k2p5DXZ), grid.group_size(M::k2p5DCol) * grid.group_size(M::k2p5DDep));
       EXPECT_EQ(grid.group_size(M::k2p5DRow) * grid.group_size(M::k2p5DXZ), c.tensor());
     }
     if (grid.has_mode(M::k3DInput)) {
@@ -277,10 +270,11 @@ TEST(RankGrid, CombinedModesAreUnions) {
   for (const auto& entry : property_configs()) {
     const RankGrid grid(entry.first, entry.second);
     SCOPED_TRACE(to_string(grid.config()));
-    const std::vector<std::tuple<M, M, M>> unions = {
-        {M::kDataSequence, M::kData, M::kSequence}, {M::kModel, M::kTensor, M::kPipeline},
-        {M::k2p5DXZ, M::k2p5DCol, M::k2p5DDep},     {M::k3DInputWeight, M::k3DInput, M::k3DWeight},
-        {M::k3DOutputWeight, M::k3DOutput, M::k3DWeight}};
+    const std::vector<std::tuple<M, M, M>> unions = {{M::kDataSequence, M::kData, M::kSequence},
+                                                     {M::kModel, M::kTensor, M::kPipeline},
+                                                     {M::k2p5DXZ, M::k2p5DCol, M::k2p5DDep},
+                                                     {M::k3DInputWeight, M::k3DInput, M::k3DWeight},
+                                                     {M::k3DOutputWeight, M::k3DOutput, M::k3DWeight}};
     for (const auto& u : unions) {
       if (!grid.has_mode(std::get<0>(u))) continue;
       SCOPED_TRACE(mode_name(std::get<0>(u)));
@@ -335,16 +329,14 @@ TEST(RankGrid, SeedsDependOnBaseAndMode) {
 TEST(RankGrid, MissingModesThrowNamingTheTensorMode) {
   const RankGrid grid(ParallelConfig().tensor(2), 2);
   EXPECT_FALSE(grid.has_mode(M::k2DRow));
-  EXPECT_ERROR_CONTAINS(grid.group_of(M::k2DRow, 0), "2d_row", "tensor mode is 1d",
-                        "only in tensor mode 2d");
+  EXPECT_ERROR_CONTAINS(grid.group_of(M::k2DRow, 0), "2d_row", "tensor mode is 1d", "only in tensor mode 2d");
   EXPECT_ERROR_CONTAINS(grid.groups(M::k3DInput), "3d_input", "tensor mode 3d");
   EXPECT_ERROR_CONTAINS(grid.seed_for(M::k2p5DXZ, 0, 1), "2.5d_xz");
   EXPECT_ERROR_CONTAINS(grid.local_rank(M::kTensor, 2), "global rank 2", "[0, 2)");
 }
 
 TEST(RankGrid, ConstructorResolvesTheConfig) {
-  EXPECT_ERROR_CONTAINS(RankGrid(ParallelConfig().tensor(3), 8), "world size 8",
-                        "not divisible");
+  EXPECT_ERROR_CONTAINS(RankGrid(ParallelConfig().tensor(3), 8), "world size 8", "not divisible");
   const RankGrid grid(ParallelConfig().tensor(2), 8);
   EXPECT_EQ(grid.config().data(), 4);
   EXPECT_EQ(grid.dim_size(Dim::kData), 4);
@@ -353,8 +345,8 @@ TEST(RankGrid, ConstructorResolvesTheConfig) {
 TEST(RankGrid, DescribeListsCoordinatesAndGroups) {
   const RankGrid grid(ParallelConfig().data(2).pipeline(2).tensor(2), 8);
   const std::string text = grid.describe(5);
-  for (const char* part : {"rank 5 of 8", "tp=1 sp=0 dp=0 pp=1", "tensor", "[4, 5]", "model",
-                           "[0, 1, 4, 5]", "pipeline", "[1, 5]"}) {
+  for (const char* part :
+       {"rank 5 of 8", "tp=1 sp=0 dp=0 pp=1", "tensor", "[4, 5]", "model", "[0, 1, 4, 5]", "pipeline", "[1, 5]"}) {
     EXPECT_NE(text.find(part), std::string::npos) << part << " not in\n" << text;
   }
   const RankGrid big(ParallelConfig(), 64);

@@ -2,12 +2,6 @@
 // Umbrella header: everything a training program needs from tessera.
 // Prefer the narrower headers inside the library and in large projects, for
 // compile time.
-#include "tessera/config.h"
-#include "tessera/core/compat.h"
-#include "tessera/core/dtype.h"
-#include "tessera/core/error.h"
-#include "tessera/core/logging.h"
-#include "tessera/core/threads.h"
 #include "tessera/comm/checked_communicator.h"
 #include "tessera/comm/communicator.h"
 #include "tessera/comm/factory.h"
@@ -15,10 +9,16 @@
 #include "tessera/comm/mpi_communicator.h"
 #include "tessera/comm/mpi_runtime.h"
 #include "tessera/comm/tracing_communicator.h"
+#include "tessera/config.h"
 #include "tessera/context/launch.h"
 #include "tessera/context/parallel_config.h"
 #include "tessera/context/parallel_context.h"
 #include "tessera/context/rank_grid.h"
+#include "tessera/core/compat.h"
+#include "tessera/core/dtype.h"
+#include "tessera/core/error.h"
+#include "tessera/core/logging.h"
+#include "tessera/core/threads.h"
 #ifdef TESSERA_HAVE_NCCL
 #include "tessera/comm/nccl_communicator.h"
 #endif

@@ -15,9 +15,7 @@ constexpr int kMaxDims = 8;
 // op, dtype, root, reduce op, input numel, output numel, ndim, dims[kMaxDims]
 constexpr int kFixedFields = 7 + kMaxDims;
 
-std::vector<int64_t> shape_of(const at::Tensor& t) {
-  return t.defined() ? t.sizes().vec() : std::vector<int64_t>{};
-}
+std::vector<int64_t> shape_of(const at::Tensor& t) { return t.defined() ? t.sizes().vec() : std::vector<int64_t>{}; }
 
 }  // namespace
 
@@ -29,7 +27,7 @@ struct CheckedCommunicator::Call {
   int64_t reduce_op = -1;   // ReduceOp, -1 when the op does not reduce
   int64_t input_numel = 0;  // the numel every rank must agree on
   int64_t output_numel = 0;
-  std::vector<int64_t> shape;  // for messages
+  std::vector<int64_t> shape;   // for messages
   std::vector<int64_t> splits;  // all_to_all: input splits then output splits
 
   std::vector<int64_t> encode() const {
@@ -132,32 +130,57 @@ std::vector<int64_t> all_to_all_splits(const AllToAllOptions& options, int n) {
 }  // namespace
 
 WorkPtr CheckedCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
-  check_collective({OpType::kAllReduce, tensor.scalar_type(), -1, static_cast<int64_t>(options.op), tensor.numel(),
-                    tensor.numel(), shape_of(tensor), {}});
+  check_collective({OpType::kAllReduce,
+                    tensor.scalar_type(),
+                    -1,
+                    static_cast<int64_t>(options.op),
+                    tensor.numel(),
+                    tensor.numel(),
+                    shape_of(tensor),
+                    {}});
   return inner_->all_reduce(tensor, options);
 }
 
 WorkPtr CheckedCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
-  check_collective({OpType::kBroadcast, tensor.scalar_type(), options.root, -1, tensor.numel(), tensor.numel(),
-                    shape_of(tensor), {}});
+  check_collective({OpType::kBroadcast,
+                    tensor.scalar_type(),
+                    options.root,
+                    -1,
+                    tensor.numel(),
+                    tensor.numel(),
+                    shape_of(tensor),
+                    {}});
   return inner_->broadcast(tensor, options);
 }
 
 WorkPtr CheckedCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
-  check_collective({OpType::kReduce, tensor.scalar_type(), options.root, static_cast<int64_t>(options.op),
-                    tensor.numel(), tensor.numel(), shape_of(tensor), {}});
+  check_collective({OpType::kReduce,
+                    tensor.scalar_type(),
+                    options.root,
+                    static_cast<int64_t>(options.op),
+                    tensor.numel(),
+                    tensor.numel(),
+                    shape_of(tensor),
+                    {}});
   return inner_->reduce(tensor, options);
 }
 
 WorkPtr CheckedCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
-  check_collective({OpType::kAllGather, input.scalar_type(), -1, -1, input.numel(), output.numel(), shape_of(input), {}});
+  check_collective(
+      {OpType::kAllGather, input.scalar_type(), -1, -1, input.numel(), output.numel(), shape_of(input), {}});
   return inner_->all_gather(output, input, options);
 }
 
 WorkPtr CheckedCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                             const ReduceScatterOptions& options) {
-  check_collective({OpType::kReduceScatter, input.scalar_type(), -1, static_cast<int64_t>(options.op), input.numel(),
-                    output.numel(), shape_of(input), {}});
+  check_collective({OpType::kReduceScatter,
+                    input.scalar_type(),
+                    -1,
+                    static_cast<int64_t>(options.op),
+                    input.numel(),
+                    output.numel(),
+                    shape_of(input),
+                    {}});
   return inner_->reduce_scatter(output, input, options);
 }
 
@@ -185,10 +208,11 @@ WorkPtr CheckedCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions
   inner_->recv(desc, src, RecvOptions{options.tag, false});
   at::Tensor host = desc.to(at::kCPU);
   Call theirs = Call::decode(host.data_ptr<int64_t>(), 0);
-  TORCH_CHECK(theirs.op == OpType::kSend && theirs.dtype == tensor.scalar_type() && theirs.input_numel == tensor.numel(),
-              "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(),
-              " to rank ", rank(), ", which calls recv(", dtype_name(tensor.scalar_type()), ", shape ",
-              join_list(shape_of(tensor)), ") from it");
+  TORCH_CHECK(
+      theirs.op == OpType::kSend && theirs.dtype == tensor.scalar_type() && theirs.input_numel == tensor.numel(),
+      "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(), " to rank ",
+      rank(), ", which calls recv(", dtype_name(tensor.scalar_type()), ", shape ", join_list(shape_of(tensor)),
+      ") from it");
   return inner_->recv(tensor, src, options);
 }
 

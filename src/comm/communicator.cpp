@@ -14,7 +14,11 @@ class CompletedWork : public Work {
 
 }  // namespace
 
-WorkPtr completed_work() { return std::make_shared<CompletedWork>(); }
+// Stateless and immutable, so one instance serves every call.
+WorkPtr completed_work() {
+  static const WorkPtr done = std::make_shared<CompletedWork>();
+  return done;
+}
 
 std::string reduce_op_name(ReduceOp op) {
   switch (op) {

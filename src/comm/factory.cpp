@@ -1,8 +1,8 @@
 #include "tessera/comm/factory.h"
 
 #include "tessera/comm/checked_communicator.h"
-#include "tessera/config.h"
 #include "tessera/comm/mpi_communicator.h"
+#include "tessera/config.h"
 #ifdef TESSERA_HAVE_NCCL
 #include "tessera/comm/nccl_communicator.h"
 #endif
@@ -49,14 +49,16 @@ bool nccl_available() {
 
 CommunicatorPtr make_world_communicator(const WorldOptions& options) {
   Backend backend = options.backend;
-  if (backend == Backend::kAuto) backend = options.device.is_cuda() && nccl_available() ? Backend::kNccl : Backend::kMpi;
+  if (backend == Backend::kAuto)
+    backend = options.device.is_cuda() && nccl_available() ? Backend::kNccl : Backend::kMpi;
   CommunicatorPtr world;
   if (backend == Backend::kNccl) {
     TORCH_CHECK(options.device.is_cuda(), "the nccl backend needs a CUDA device, got ", options.device.str());
 #ifdef TESSERA_HAVE_NCCL
     world = NcclCommunicator::create(MPI_COMM_WORLD, options.device.index() < 0 ? 0 : options.device.index(), "world");
 #else
-    TORCH_CHECK(false, "this build of tessera has no NCCL backend (configure with TESSERA_WITH_NCCL=ON and a CUDA "
+    TORCH_CHECK(false,
+                "this build of tessera has no NCCL backend (configure with TESSERA_WITH_NCCL=ON and a CUDA "
                 "toolkit with nccl.h); use the mpi backend");
 #endif
   } else {

@@ -13,7 +13,8 @@ namespace raw {
 namespace {
 
 int64_t checked_dim(const at::Tensor& input, int64_t dim, const Communicator& comm, const char* op) {
-  TORCH_CHECK(input.dim() > 0, op, " on communicator '", comm.name(), "': a 0-dimensional tensor has no dimension to split");
+  TORCH_CHECK(input.dim() > 0, op, " on communicator '", comm.name(),
+              "': a 0-dimensional tensor has no dimension to split");
   const int64_t d = dim < 0 ? dim + input.dim() : dim;
   TORCH_CHECK(d >= 0 && d < input.dim(), op, " on communicator '", comm.name(), "': dimension ", dim,
               " is out of range for a tensor of shape ", input.sizes());
@@ -22,8 +23,8 @@ int64_t checked_dim(const at::Tensor& input, int64_t dim, const Communicator& co
 
 void check_divisible(const at::Tensor& input, int64_t dim, const Communicator& comm, const char* op) {
   TORCH_CHECK(input.size(dim) % comm.size() == 0, op, " on communicator '", comm.name(), "': dimension ", dim,
-              " of shape ", input.sizes(), " (", input.size(dim), ") is not divisible by the group size ",
-              comm.size(), "; pad it or choose a group size that divides it");
+              " of shape ", input.sizes(), " (", input.size(dim), ") is not divisible by the group size ", comm.size(),
+              "; pad it or choose a group size that divides it");
 }
 
 // [n, chunk...] contiguous, chunk i = input.chunk(n, dim)[i].
@@ -186,8 +187,8 @@ struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
     return raw::all_to_all(x, scatter_dim, gather_dim, *comm);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    at::Tensor dx = raw::all_to_all(g[0], ctx->saved_data["gather"].toInt(), ctx->saved_data["scatter"].toInt(),
-                                    load_comm(ctx));
+    at::Tensor dx =
+        raw::all_to_all(g[0], ctx->saved_data["gather"].toInt(), ctx->saved_data["scatter"].toInt(), load_comm(ctx));
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -12,6 +12,7 @@
 
 #include <climits>
 #include <functional>
+#include <initializer_list>
 
 namespace tessera {
 namespace comm {
@@ -59,7 +60,7 @@ struct Staged {
     }
   }
   void* data() const { return host.data_ptr(); }
-  void copy_back() {
+  void copy_back() const {
     if (staged) tensor.copy_(host);
   }
 };
@@ -110,19 +111,24 @@ class MpiWork : public Work {
 };
 
 // Issues `blocking` for synchronous calls and `nonblocking` otherwise; either
-// way `finish` runs after MPI has completed.
-template <typename Blocking, typename NonBlocking>
-WorkPtr issue(bool async, std::vector<at::Tensor> keep_alive, std::function<void()> finish,
-              Blocking blocking, NonBlocking nonblocking) {
+// way `finish` runs after MPI has completed. The synchronous path allocates
+// nothing (the benchmark's small sizes measure this path's overhead);
+// only an asynchronous call packs `finish` and the tensors into an MpiWork.
+template <typename Finish, typename Blocking, typename NonBlocking>
+WorkPtr issue(bool async, Finish&& finish, std::initializer_list<at::Tensor> keep_alive, Blocking&& blocking,
+              NonBlocking&& nonblocking) {
   if (!async) {
     blocking();
-    if (finish) finish();
+    finish();
     return completed_work();
   }
   MPI_Request request = MPI_REQUEST_NULL;
   nonblocking(&request);
-  return std::make_shared<MpiWork>(std::vector<MPI_Request>{request}, std::move(keep_alive), std::move(finish));
+  return std::make_shared<MpiWork>(std::vector<MPI_Request>{request}, std::vector<at::Tensor>(keep_alive),
+                                   std::function<void()>(std::forward<Finish>(finish)));
 }
+
+const auto kNothing = [] {};
 
 }  // namespace
 
@@ -152,21 +158,21 @@ WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& 
   const OpType op = OpType::kAllReduce;
   check_tensor(*this, op, tensor, "input");
   check_reduce_op(*this, op, options.op, tensor.scalar_type());
-  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   MPI_Op mpi_op = types_->op(options.op, tensor.scalar_type());
   const bool avg = options.op == ReduceOp::kAvg;
   const int n = size_;
   auto finish = [buf, avg, n]() {
-    if (avg) buf->host.div_(n);
-    buf->copy_back();
+    if (avg) buf.host.div_(n);
+    buf.copy_back();
   };
   return issue(
-      options.async, {buf->host, tensor}, finish,
-      [&] { TESSERA_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf->data(), count, type, mpi_op, comm_)); },
+      options.async, finish, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
-        TESSERA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf->data(), count, type, mpi_op, comm_, r));
+        TESSERA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_, r));
       });
 }
 
@@ -174,15 +180,15 @@ WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& o
   const OpType op = OpType::kBroadcast;
   check_tensor(*this, op, tensor, "input");
   check_rank(*this, op, "root", options.root, true);
-  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, rank_ == options.root);
+  const Staged buf(tensor, cuda_aware_, rank_ == options.root);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   const int root = options.root;
-  auto finish = [buf]() { buf->copy_back(); };
+  auto finish = [buf]() { buf.copy_back(); };
   return issue(
-      options.async, {buf->host, tensor}, finish,
-      [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf->data(), count, type, root, comm_)); },
-      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibcast(buf->data(), count, type, root, comm_, r)); });
+      options.async, finish, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf.data(), count, type, root, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibcast(buf.data(), count, type, root, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
@@ -191,7 +197,7 @@ WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options
   check_rank(*this, op, "root", options.root, true);
   check_reduce_op(*this, op, options.op, tensor.scalar_type());
   const bool is_root = rank_ == options.root;
-  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   MPI_Op mpi_op = types_->op(options.op, tensor.scalar_type());
@@ -199,15 +205,15 @@ WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options
   const int n = size_;
   const int root = options.root;
   // Only the root receives; MPI_IN_PLACE there keeps the other ranks' tensors unchanged.
-  void* send = is_root ? MPI_IN_PLACE : buf->data();
-  void* recv = is_root ? buf->data() : nullptr;
+  void* send = is_root ? MPI_IN_PLACE : buf.data();
+  void* recv = is_root ? buf.data() : nullptr;
   auto finish = [buf, avg, n, is_root]() {
     if (!is_root) return;
-    if (avg) buf->host.div_(n);
-    buf->copy_back();
+    if (avg) buf.host.div_(n);
+    buf.copy_back();
   };
   return issue(
-      options.async, {buf->host, tensor}, finish,
+      options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Reduce(send, recv, count, type, mpi_op, root, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ireduce(send, recv, count, type, mpi_op, root, comm_, r)); });
 }
@@ -224,18 +230,16 @@ WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
   // An input that already sits at this rank's place in the output (as ZeRO's
   // flat buffers do) is gathered in place, which MPI requires for aliasing.
   const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
-  const bool in_place = input.device() == output.device() &&
-                        input.data_ptr() == static_cast<char*>(output.data_ptr()) + rank_ * bytes;
-  auto out = std::make_shared<Staged>(output, cuda_aware_, in_place);
-  auto in = std::make_shared<Staged>(input, cuda_aware_, !in_place);
-  const void* send = in_place ? MPI_IN_PLACE : in->data();
-  auto finish = [out]() { out->copy_back(); };
+  const bool in_place =
+      input.device() == output.device() && input.data_ptr() == static_cast<char*>(output.data_ptr()) + rank_ * bytes;
+  const Staged out(output, cuda_aware_, in_place);
+  const Staged in(input, cuda_aware_, !in_place);
+  const void* send = in_place ? MPI_IN_PLACE : in.data();
+  auto finish = [out]() { out.copy_back(); };
   return issue(
-      options.async, {out->host, in->host, output, input}, finish,
-      [&] { TESSERA_MPI_CHECK(MPI_Allgather(send, count, type, out->data(), count, type, comm_)); },
-      [&](MPI_Request* r) {
-        TESSERA_MPI_CHECK(MPI_Iallgather(send, count, type, out->data(), count, type, comm_, r));
-      });
+      options.async, finish, {out.host, in.host, output, input},
+      [&] { TESSERA_MPI_CHECK(MPI_Allgather(send, count, type, out.data(), count, type, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Iallgather(send, count, type, out.data(), count, type, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
@@ -250,19 +254,19 @@ WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& in
   const int count = to_int_count(*this, op, output.numel());
   MPI_Datatype type = types_->datatype(input.scalar_type());
   MPI_Op mpi_op = types_->op(options.op, input.scalar_type());
-  auto out = std::make_shared<Staged>(output, cuda_aware_, false);
-  auto in = std::make_shared<Staged>(input, cuda_aware_, true);
+  const Staged out(output, cuda_aware_, false);
+  const Staged in(input, cuda_aware_, true);
   const bool avg = options.op == ReduceOp::kAvg;
   const int n = size_;
   auto finish = [out, avg, n]() {
-    if (avg) out->host.div_(n);
-    out->copy_back();
+    if (avg) out.host.div_(n);
+    out.copy_back();
   };
   return issue(
-      options.async, {out->host, in->host, output, input}, finish,
-      [&] { TESSERA_MPI_CHECK(MPI_Reduce_scatter_block(in->data(), out->data(), count, type, mpi_op, comm_)); },
+      options.async, finish, {out.host, in.host, output, input},
+      [&] { TESSERA_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
-        TESSERA_MPI_CHECK(MPI_Ireduce_scatter_block(in->data(), out->data(), count, type, mpi_op, comm_, r));
+        TESSERA_MPI_CHECK(MPI_Ireduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_, r));
       });
 }
 
@@ -273,17 +277,17 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
   check_same_dtype(*this, op, output, input);
   const AllToAllLayout layout = all_to_all_layout(*this, output, input, options);
   MPI_Datatype type = types_->datatype(input.scalar_type());
-  auto out = std::make_shared<Staged>(output, cuda_aware_, false);
-  auto in = std::make_shared<Staged>(input, cuda_aware_, true);
-  auto finish = [out]() { out->copy_back(); };
-  std::vector<at::Tensor> keep = {out->host, in->host, output, input};
+  const Staged out(output, cuda_aware_, false);
+  const Staged in(input, cuda_aware_, true);
+  auto finish = [out]() { out.copy_back(); };
+
   if (layout.equal) {
     const int count = to_int_count(*this, op, layout.send_counts.empty() ? 0 : layout.send_counts[0]);
     return issue(
-        options.async, keep, finish,
-        [&] { TESSERA_MPI_CHECK(MPI_Alltoall(in->data(), count, type, out->data(), count, type, comm_)); },
+        options.async, finish, {out.host, in.host, output, input},
+        [&] { TESSERA_MPI_CHECK(MPI_Alltoall(in.data(), count, type, out.data(), count, type, comm_)); },
         [&](MPI_Request* r) {
-          TESSERA_MPI_CHECK(MPI_Ialltoall(in->data(), count, type, out->data(), count, type, comm_, r));
+          TESSERA_MPI_CHECK(MPI_Ialltoall(in.data(), count, type, out.data(), count, type, comm_, r));
         });
   }
   // MPI_Ialltoallv reads the count arrays until completion: the Work keeps them.
@@ -291,15 +295,15 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
       to_int_counts(*this, op, layout.send_counts), to_int_counts(*this, op, layout.send_displs),
       to_int_counts(*this, op, layout.recv_counts), to_int_counts(*this, op, layout.recv_displs)});
   auto& c = *counts;
-  auto finish_v = [out, counts]() { out->copy_back(); };
+  auto finish_v = [out, counts]() { out.copy_back(); };
   return issue(
-      options.async, keep, finish_v,
+      options.async, finish_v, {out.host, in.host, output, input},
       [&] {
-        TESSERA_MPI_CHECK(MPI_Alltoallv(in->data(), c[0].data(), c[1].data(), type, out->data(), c[2].data(),
-                                        c[3].data(), type, comm_));
+        TESSERA_MPI_CHECK(MPI_Alltoallv(in.data(), c[0].data(), c[1].data(), type, out.data(), c[2].data(), c[3].data(),
+                                        type, comm_));
       },
       [&](MPI_Request* r) {
-        TESSERA_MPI_CHECK(MPI_Ialltoallv(in->data(), c[0].data(), c[1].data(), type, out->data(), c[2].data(),
+        TESSERA_MPI_CHECK(MPI_Ialltoallv(in.data(), c[0].data(), c[1].data(), type, out.data(), c[2].data(),
                                          c[3].data(), type, comm_, r));
       });
 }
@@ -308,34 +312,34 @@ WorkPtr MpiCommunicator::send(const at::Tensor& tensor, int dst, const SendOptio
   const OpType op = OpType::kSend;
   check_tensor(*this, op, tensor, "input");
   check_rank(*this, op, "destination", dst, false);
-  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, true);
+  const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   const int tag = options.tag;
   return issue(
-      options.async, {buf->host, tensor}, nullptr,
-      [&] { TESSERA_MPI_CHECK(MPI_Send(buf->data(), count, type, dst, tag, comm_)); },
-      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf->data(), count, type, dst, tag, comm_, r)); });
+      options.async, kNothing, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Send(buf.data(), count, type, dst, tag, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf.data(), count, type, dst, tag, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
   const OpType op = OpType::kRecv;
   check_tensor(*this, op, tensor, "output");
   check_rank(*this, op, "source", src, false);
-  auto buf = std::make_shared<Staged>(tensor, cuda_aware_, false);
+  const Staged buf(tensor, cuda_aware_, false);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   const int tag = options.tag;
-  auto finish = [buf]() { buf->copy_back(); };
+  auto finish = [buf]() { buf.copy_back(); };
   return issue(
-      options.async, {buf->host, tensor}, finish,
-      [&] { TESSERA_MPI_CHECK(MPI_Recv(buf->data(), count, type, src, tag, comm_, MPI_STATUS_IGNORE)); },
-      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf->data(), count, type, src, tag, comm_, r)); });
+      options.async, finish, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Recv(buf.data(), count, type, src, tag, comm_, MPI_STATUS_IGNORE)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf.data(), count, type, src, tag, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::barrier(const BarrierOptions& options) {
   return issue(
-      options.async, {}, nullptr, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
+      options.async, kNothing, {}, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibarrier(comm_, r)); });
 }
 

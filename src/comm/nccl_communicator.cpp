@@ -33,38 +33,34 @@ std::string device_problem(int device) {
     return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(result);
   }
   if (device < 0 || device >= count) {
-    return "CUDA device " + std::to_string(device) + " does not exist; this process sees " +
-           std::to_string(count) + " device(s)";
+    return "CUDA device " + std::to_string(device) + " does not exist; this process sees " + std::to_string(count) +
+           " device(s)";
   }
   return "";
 }
 
 // Collective: throws on every rank if any rank has a problem, so that no rank
 // goes on into a collective the others will never join.
-void agree_or_throw(MPI_Comm comm, int rank, int size, const std::string& problem,
-                    const std::string& what) {
+void agree_or_throw(MPI_Comm comm, int rank, int size, const std::string& problem, const std::string& what) {
   const int mine = problem.empty() ? size : rank;
   int first_failed = size;
   TESSERA_MPI_CHECK(MPI_Allreduce(&mine, &first_failed, 1, MPI_INT, MPI_MIN, comm));
   TORCH_CHECK(problem.empty(), what, " failed on rank ", rank, ": ", problem);
-  TORCH_CHECK(first_failed == size, what, " failed on rank ", first_failed,
-              " (see the error reported there)");
+  TORCH_CHECK(first_failed == size, what, " failed on rank ", first_failed, " (see the error reported there)");
 }
 
 // The shared checks, then what NCCL adds: a CUDA tensor on this
 // communicator's device, of a dtype this NCCL carries.
-ncclDataType_t check_nccl_tensor(const NcclCommunicator& comm, OpType op,
-                                 const at::Tensor& tensor, const char* what) {
+ncclDataType_t check_nccl_tensor(const NcclCommunicator& comm, OpType op, const at::Tensor& tensor, const char* what) {
   check_tensor(comm, op, tensor, what);
   TORCH_CHECK(tensor.is_cuda(), where(comm, op), ": the ", what,
               " tensor must be a CUDA tensor for the NCCL backend, got one on ", tensor.device());
-  TORCH_CHECK(tensor.device().index() == comm.device(), where(comm, op), ": the ", what,
-              " tensor is on ", tensor.device(), " but this communicator uses cuda:",
-              comm.device());
+  TORCH_CHECK(tensor.device().index() == comm.device(), where(comm, op), ": the ", what, " tensor is on ",
+              tensor.device(), " but this communicator uses cuda:", comm.device());
   ncclDataType_t type;
   TORCH_CHECK(detail::to_nccl_dtype(tensor.scalar_type(), &type), where(comm, op), ": dtype ",
-              dtype_name(tensor.scalar_type()), " is not supported by NCCL ", NCCL_MAJOR, ".",
-              NCCL_MINOR, " (bfloat16 needs NCCL >= 2.10 built with CUDA >= 11)");
+              dtype_name(tensor.scalar_type()), " is not supported by NCCL ", NCCL_MAJOR, ".", NCCL_MINOR,
+              " (bfloat16 needs NCCL >= 2.10 built with CUDA >= 11)");
   return type;
 }
 
@@ -82,10 +78,14 @@ NcclReduction to_nccl_reduction(ReduceOp op, c10::ScalarType type) {
     return {any ? ncclMax : ncclMin, false};
   }
   switch (op) {
-    case ReduceOp::kSum: return {ncclSum, false};
-    case ReduceOp::kProduct: return {ncclProd, false};
-    case ReduceOp::kMin: return {ncclMin, false};
-    case ReduceOp::kMax: return {ncclMax, false};
+    case ReduceOp::kSum:
+      return {ncclSum, false};
+    case ReduceOp::kProduct:
+      return {ncclProd, false};
+    case ReduceOp::kMin:
+      return {ncclMin, false};
+    case ReduceOp::kMax:
+      return {ncclMax, false};
     case ReduceOp::kAvg:
 #if TESSERA_NCCL_HAS_AVG
       return {ncclAvg, false};
@@ -106,8 +106,7 @@ using IssueFn = std::function<void(ncclComm_t, cudaStream_t)>;
 // The ordering every operation follows: the communication stream waits for
 // the work queued so far on the current stream, NCCL runs on the
 // communication stream, and an event marks its completion for the Work.
-WorkPtr run_op(NcclState& state, std::vector<at::Tensor> tensors, bool async, bool block_host,
-               const IssueFn& issue) {
+WorkPtr run_op(NcclState& state, std::vector<at::Tensor> tensors, bool async, bool block_host, const IssueFn& issue) {
   std::shared_ptr<NcclWork> work;
   {
     std::lock_guard<std::mutex> lock(state.issue_mutex);
@@ -121,8 +120,7 @@ WorkPtr run_op(NcclState& state, std::vector<at::Tensor> tensors, bool async, bo
     CudaEvent done;
     done.record(resources.stream());
     detail::record_stream(tensors, resources.stream());
-    work = std::make_shared<NcclWork>(state.resources, std::move(done), std::move(tensors),
-                                      block_host);
+    work = std::make_shared<NcclWork>(state.resources, std::move(done), std::move(tensors), block_host);
   }
   if (!async) work->wait();
   return work;
@@ -171,21 +169,18 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, i
     int result;
   } message{};
   if (rank == 0) message.result = static_cast<int>(ncclGetUniqueId(&message.id));
-  TESSERA_MPI_CHECK(
-      MPI_Bcast(&message, static_cast<int>(sizeof(message)), MPI_BYTE, 0, duplicate));
-  TORCH_CHECK(message.result == ncclSuccess, what, ": ncclGetUniqueId failed on rank 0: ",
-              ncclGetErrorString(static_cast<ncclResult_t>(message.result)));
+  TESSERA_MPI_CHECK(MPI_Bcast(&message, static_cast<int>(sizeof(message)), MPI_BYTE, 0, duplicate));
+  TORCH_CHECK(message.result == ncclSuccess, what,
+              ": ncclGetUniqueId failed on rank 0: ", ncclGetErrorString(static_cast<ncclResult_t>(message.result)));
 
   ncclComm_t raw = nullptr;
   TESSERA_NCCL_CHECK(ncclCommInitRank(&raw, size, message.id, rank));
   detail::NcclComm comm(raw, cuda_device);
   state->resources = std::make_shared<NcclResources>(std::move(comm), cuda_device, rank);
-  return std::shared_ptr<NcclCommunicator>(
-      new NcclCommunicator(std::move(state), rank, size, cuda_device, name));
+  return std::shared_ptr<NcclCommunicator>(new NcclCommunicator(std::move(state), rank, size, cuda_device, name));
 }
 
-NcclCommunicator::NcclCommunicator(std::unique_ptr<NcclState> state, int rank, int size,
-                                   int device, std::string name)
+NcclCommunicator::NcclCommunicator(std::unique_ptr<NcclState> state, int rank, int size, int device, std::string name)
     : state_(std::move(state)), rank_(rank), size_(size), device_(device), name_(std::move(name)) {}
 
 NcclCommunicator::~NcclCommunicator() = default;
@@ -198,8 +193,7 @@ WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions&
   const int size = size_;
   return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
-    TESSERA_NCCL_CHECK(ncclAllReduce(data(tensor), data(tensor), count(tensor), type,
-                                     reduction.op, comm, s));
+    TESSERA_NCCL_CHECK(ncclAllReduce(data(tensor), data(tensor), count(tensor), type, reduction.op, comm, s));
     if (reduction.divide_after) detail::divide_on_stream(tensor, size, s);
   });
 }
@@ -210,8 +204,7 @@ WorkPtr NcclCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& 
   check_rank(*this, op, "root", options.root, true);
   return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
-    TESSERA_NCCL_CHECK(ncclBroadcast(data(tensor), data(tensor), count(tensor), type,
-                                     options.root, comm, s));
+    TESSERA_NCCL_CHECK(ncclBroadcast(data(tensor), data(tensor), count(tensor), type, options.root, comm, s));
   });
 }
 
@@ -227,14 +220,13 @@ WorkPtr NcclCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& option
   // ranks' tensors stay as they were.
   return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
-    TESSERA_NCCL_CHECK(ncclReduce(data(tensor), data(tensor), count(tensor), type, reduction.op,
-                                  options.root, comm, s));
+    TESSERA_NCCL_CHECK(
+        ncclReduce(data(tensor), data(tensor), count(tensor), type, reduction.op, options.root, comm, s));
     if (reduction.divide_after && is_root) detail::divide_on_stream(tensor, size, s);
   });
 }
 
-WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
-                                     const AllGatherOptions& options) {
+WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
   const OpType op = OpType::kAllGather;
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
@@ -242,12 +234,10 @@ WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input
   check_numel(*this, op, "output", output.numel(), input.numel() * size_,
               "all_gather output must hold size() x input elements");
   // NCCL handles the in-place case (input at this rank's offset in output).
-  return run_op(*state_, {output, input}, options.async, false,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  if (count(input) == 0) return;
-                  TESSERA_NCCL_CHECK(
-                      ncclAllGather(data(input), data(output), count(input), type, comm, s));
-                });
+  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+    if (count(input) == 0) return;
+    TESSERA_NCCL_CHECK(ncclAllGather(data(input), data(output), count(input), type, comm, s));
+  });
 }
 
 WorkPtr NcclCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
@@ -261,17 +251,14 @@ WorkPtr NcclCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& i
               "reduce_scatter input must hold size() x output elements");
   const NcclReduction reduction = to_nccl_reduction(options.op, input.scalar_type());
   const int size = size_;
-  return run_op(*state_, {output, input}, options.async, false,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  if (count(output) == 0) return;
-                  TESSERA_NCCL_CHECK(ncclReduceScatter(data(input), data(output), count(output),
-                                                       type, reduction.op, comm, s));
-                  if (reduction.divide_after) detail::divide_on_stream(output, size, s);
-                });
+  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+    if (count(output) == 0) return;
+    TESSERA_NCCL_CHECK(ncclReduceScatter(data(input), data(output), count(output), type, reduction.op, comm, s));
+    if (reduction.divide_after) detail::divide_on_stream(output, size, s);
+  });
 }
 
-WorkPtr NcclCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
-                                     const AllToAllOptions& options) {
+WorkPtr NcclCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   const OpType op = OpType::kAllToAll;
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
@@ -280,25 +267,22 @@ WorkPtr NcclCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input
   const size_t item = c10::elementSize(input.scalar_type());
   char* send_base = static_cast<char*>(data(input));
   char* recv_base = static_cast<char*>(data(output));
-  return run_op(*state_, {output, input}, options.async, false,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  // Zero-sized pieces are skipped on both sides alike: rank r's
-                  // send count to us is our receive count from r.
-                  grouped([&] {
-                    for (int r = 0; r < size_; ++r) {
-                      const size_t send = static_cast<size_t>(layout.send_counts[r]);
-                      const size_t recv = static_cast<size_t>(layout.recv_counts[r]);
-                      if (send > 0) {
-                        TESSERA_NCCL_CHECK(ncclSend(send_base + layout.send_displs[r] * item,
-                                                    send, type, r, comm, s));
-                      }
-                      if (recv > 0) {
-                        TESSERA_NCCL_CHECK(ncclRecv(recv_base + layout.recv_displs[r] * item,
-                                                    recv, type, r, comm, s));
-                      }
-                    }
-                  });
-                });
+  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+    // Zero-sized pieces are skipped on both sides alike: rank r's
+    // send count to us is our receive count from r.
+    grouped([&] {
+      for (int r = 0; r < size_; ++r) {
+        const size_t send = static_cast<size_t>(layout.send_counts[r]);
+        const size_t recv = static_cast<size_t>(layout.recv_counts[r]);
+        if (send > 0) {
+          TESSERA_NCCL_CHECK(ncclSend(send_base + layout.send_displs[r] * item, send, type, r, comm, s));
+        }
+        if (recv > 0) {
+          TESSERA_NCCL_CHECK(ncclRecv(recv_base + layout.recv_displs[r] * item, recv, type, r, comm, s));
+        }
+      }
+    });
+  });
 }
 
 WorkPtr NcclCommunicator::send(const at::Tensor& tensor, int dst, const SendOptions& options) {
@@ -324,16 +308,14 @@ WorkPtr NcclCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& o
 
 WorkPtr NcclCommunicator::barrier(const BarrierOptions& options) {
   void* buffer = state_->resources->barrier_buffer();
-  return run_op(*state_, {}, options.async, /*block_host=*/true,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  TESSERA_NCCL_CHECK(ncclAllReduce(buffer, buffer, 1, ncclInt32, ncclSum, comm, s));
-                });
+  return run_op(*state_, {}, options.async, /*block_host=*/true, [&](ncclComm_t comm, cudaStream_t s) {
+    TESSERA_NCCL_CHECK(ncclAllReduce(buffer, buffer, 1, ncclInt32, ncclSum, comm, s));
+  });
 }
 
 CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& name) {
   MPI_Comm child = MPI_COMM_NULL;
-  TESSERA_MPI_CHECK(
-      MPI_Comm_split(state_->bootstrap.get(), color < 0 ? MPI_UNDEFINED : color, key, &child));
+  TESSERA_MPI_CHECK(MPI_Comm_split(state_->bootstrap.get(), color < 0 ? MPI_UNDEFINED : color, key, &child));
   if (child == MPI_COMM_NULL) return nullptr;
   detail::MpiComm owned(child);  // create() keeps its own duplicate
   return create(owned.get(), device_, name);

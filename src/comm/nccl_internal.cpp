@@ -43,22 +43,16 @@ DeviceGuard::~DeviceGuard() {
   if (current != previous_) set_device_quietly(previous_);
 }
 
-CudaEvent::CudaEvent() {
-  TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-}
+CudaEvent::CudaEvent() { TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
 
 CudaEvent::~CudaEvent() {
   // An event destroyed while still pending is released once it completes.
   if (event_ != nullptr && cudaEventDestroy(event_) != cudaSuccess) (void)cudaGetLastError();
 }
 
-CudaEvent::CudaEvent(CudaEvent&& other) noexcept : event_(other.event_) {
-  other.event_ = nullptr;
-}
+CudaEvent::CudaEvent(CudaEvent&& other) noexcept : event_(other.event_) { other.event_ = nullptr; }
 
-void CudaEvent::record(cudaStream_t stream) {
-  TESSERA_CUDA_CHECK(cudaEventRecord(event_, stream));
-}
+void CudaEvent::record(cudaStream_t stream) { TESSERA_CUDA_CHECK(cudaEventRecord(event_, stream)); }
 
 CudaStream::CudaStream() {
   int least = 0;
@@ -108,32 +102,22 @@ NcclComm::~NcclComm() {
   (void)cudaGetLastError();
 }
 
-NcclComm::NcclComm(NcclComm&& other) noexcept : comm_(other.comm_), device_(other.device_) {
-  other.comm_ = nullptr;
-}
+NcclComm::NcclComm(NcclComm&& other) noexcept : comm_(other.comm_), device_(other.device_) { other.comm_ = nullptr; }
 
 NcclResources::NcclResources(NcclComm comm, int device, int rank)
-    : device_(device),
-      rank_(rank),
-      barrier_buffer_(sizeof(int32_t)),
-      stream_(),
-      comm_(std::move(comm)) {}
+    : device_(device), rank_(rank), barrier_buffer_(sizeof(int32_t)), stream_(), comm_(std::move(comm)) {}
 
 void NcclResources::check_async_error() const {
   ncclResult_t async_error = ncclSuccess;
   TESSERA_NCCL_CHECK(ncclCommGetAsyncError(comm_.get(), &async_error));
-  TORCH_CHECK(async_error == ncclSuccess, "NCCL communicator on CUDA device ", device_,
-              " (rank ", rank_, ") reported an asynchronous error: ",
-              ncclGetErrorString(async_error), detail::nccl_last_error_suffix(),
+  TORCH_CHECK(async_error == ncclSuccess, "NCCL communicator on CUDA device ", device_, " (rank ", rank_,
+              ") reported an asynchronous error: ", ncclGetErrorString(async_error), detail::nccl_last_error_suffix(),
               ". The communicator cannot be used any more.");
 }
 
-NcclWork::NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done,
-                   std::vector<at::Tensor> tensors, bool block_host)
-    : resources_(std::move(resources)),
-      done_(std::move(done)),
-      tensors_(std::move(tensors)),
-      block_host_(block_host) {
+NcclWork::NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done, std::vector<at::Tensor> tensors,
+                   bool block_host)
+    : resources_(std::move(resources)), done_(std::move(done)), tensors_(std::move(tensors)), block_host_(block_host) {
   TORCH_INTERNAL_ASSERT(resources_ != nullptr);
 }
 
@@ -144,8 +128,7 @@ NcclWork::~NcclWork() {
     wait();
   } catch (const c10::Error& error) {
     log_message(LogLevel::kWarning, resources_->rank(),
-                std::string("NCCL work destroyed without wait() failed to wait: ") +
-                    error.what_without_backtrace());
+                std::string("NCCL work destroyed without wait() failed to wait: ") + error.what_without_backtrace());
   } catch (const std::exception& error) {
     log_message(LogLevel::kWarning, resources_->rank(),
                 std::string("NCCL work destroyed without wait() failed to wait: ") + error.what());
@@ -209,8 +192,7 @@ void record_stream(const std::vector<at::Tensor>& tensors, cudaStream_t stream) 
 
 void divide_on_stream(at::Tensor& tensor, int64_t divisor, cudaStream_t stream) {
 #ifdef TESSERA_HAVE_C10_CUDA
-  c10::cuda::CUDAStreamGuard guard(
-      c10::cuda::getStreamFromExternal(stream, tensor.device().index()));
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream, tensor.device().index()));
   tensor.div_(divisor);
 #else
   (void)tensor;
@@ -222,17 +204,34 @@ void divide_on_stream(at::Tensor& tensor, int64_t divisor, cudaStream_t stream) 
 
 bool to_nccl_dtype(c10::ScalarType type, ncclDataType_t* out) {
   switch (type) {
-    case c10::kFloat: *out = ncclFloat32; return true;
-    case c10::kDouble: *out = ncclFloat64; return true;
-    case c10::kHalf: *out = ncclFloat16; return true;
+    case c10::kFloat:
+      *out = ncclFloat32;
+      return true;
+    case c10::kDouble:
+      *out = ncclFloat64;
+      return true;
+    case c10::kHalf:
+      *out = ncclFloat16;
+      return true;
 #if TESSERA_NCCL_HAS_BF16
-    case c10::kBFloat16: *out = ncclBfloat16; return true;
+    case c10::kBFloat16:
+      *out = ncclBfloat16;
+      return true;
 #endif
-    case c10::kInt: *out = ncclInt32; return true;
-    case c10::kLong: *out = ncclInt64; return true;
-    case c10::kByte: *out = ncclUint8; return true;
-    case c10::kBool: *out = ncclUint8; return true;  // one byte, 0 or 1
-    default: return false;
+    case c10::kInt:
+      *out = ncclInt32;
+      return true;
+    case c10::kLong:
+      *out = ncclInt64;
+      return true;
+    case c10::kByte:
+      *out = ncclUint8;
+      return true;
+    case c10::kBool:
+      *out = ncclUint8;
+      return true;  // one byte, 0 or 1
+    default:
+      return false;
   }
 }
 

@@ -158,8 +158,7 @@ class NcclResources {
 class NcclWork final : public Work {
  public:
   // block_host: wait() also blocks the host until completion (barrier).
-  NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done,
-           std::vector<at::Tensor> tensors, bool block_host);
+  NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done, std::vector<at::Tensor> tensors, bool block_host);
   // Waits (as wait() does) if nobody did; errors are logged, not thrown.
   ~NcclWork() override;
 

@@ -30,31 +30,29 @@ std::string where(const Communicator& comm, OpType op) {
 void check_tensor(const Communicator& comm, OpType op, const at::Tensor& tensor, const char* what) {
   TORCH_CHECK(tensor.defined(), where(comm, op), ": the ", what, " tensor is undefined");
   TORCH_CHECK(tensor.is_contiguous(), where(comm, op), ": the ", what,
-              " tensor must be contiguous (call .contiguous() first); sizes ", tensor.sizes(),
-              ", strides ", tensor.strides());
+              " tensor must be contiguous (call .contiguous() first); sizes ", tensor.sizes(), ", strides ",
+              tensor.strides());
   TORCH_CHECK(is_supported_comm_dtype(tensor.scalar_type()), where(comm, op), ": dtype ",
               dtype_name(tensor.scalar_type()),
               " is not supported; use float32, float64, bfloat16, float16, int32, int64, uint8 or bool");
 }
 
 void check_same_dtype(const Communicator& comm, OpType op, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), where(comm, op), ": input dtype ",
-              dtype_name(b.scalar_type()), " differs from output dtype ", dtype_name(a.scalar_type()));
-  TORCH_CHECK(a.device() == b.device(), where(comm, op), ": input on ", b.device(),
-              " but output on ", a.device());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), where(comm, op), ": input dtype ", dtype_name(b.scalar_type()),
+              " differs from output dtype ", dtype_name(a.scalar_type()));
+  TORCH_CHECK(a.device() == b.device(), where(comm, op), ": input on ", b.device(), " but output on ", a.device());
 }
 
-void check_numel(const Communicator& comm, OpType op, const char* what, int64_t actual,
-                 int64_t expected, const char* rule) {
-  TORCH_CHECK(actual == expected, where(comm, op), ": ", what, " has ", actual, " elements but ",
-              expected, " are required (", rule, ")");
+void check_numel(const Communicator& comm, OpType op, const char* what, int64_t actual, int64_t expected,
+                 const char* rule) {
+  TORCH_CHECK(actual == expected, where(comm, op), ": ", what, " has ", actual, " elements but ", expected,
+              " are required (", rule, ")");
 }
 
 void check_rank(const Communicator& comm, OpType op, const char* what, int rank, bool allow_self) {
-  TORCH_CHECK(rank >= 0 && rank < comm.size(), where(comm, op), ": ", what, " ", rank,
-              " is outside [0, ", comm.size(), ")");
-  TORCH_CHECK(allow_self || rank != comm.rank(), where(comm, op), ": ", what, " ", rank,
-              " is the calling rank itself");
+  TORCH_CHECK(rank >= 0 && rank < comm.size(), where(comm, op), ": ", what, " ", rank, " is outside [0, ", comm.size(),
+              ")");
+  TORCH_CHECK(allow_self || rank != comm.rank(), where(comm, op), ": ", what, " ", rank, " is the calling rank itself");
 }
 
 void check_reduce_op(const Communicator& comm, OpType op, ReduceOp reduce, c10::ScalarType type) {
@@ -63,8 +61,8 @@ void check_reduce_op(const Communicator& comm, OpType op, ReduceOp reduce, c10::
               dtype_name(type), "; use sum and divide yourself");
 }
 
-AllToAllLayout all_to_all_layout(const Communicator& comm, const at::Tensor& output,
-                                 const at::Tensor& input, const AllToAllOptions& options) {
+AllToAllLayout all_to_all_layout(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options) {
   const OpType op = OpType::kAllToAll;
   const int n = comm.size();
   AllToAllLayout layout;
@@ -89,14 +87,17 @@ AllToAllLayout all_to_all_layout(const Communicator& comm, const at::Tensor& out
                 where(comm, op), ": input_split_sizes (", options.input_split_sizes.size(),
                 " entries) and output_split_sizes (", options.output_split_sizes.size(),
                 " entries) must both have one entry per rank (", n, ")");
-    const auto in_rows = std::accumulate(options.input_split_sizes.begin(), options.input_split_sizes.end(), int64_t{0});
-    const auto out_rows = std::accumulate(options.output_split_sizes.begin(), options.output_split_sizes.end(), int64_t{0});
-    TORCH_CHECK(in_rows == input.size(0), where(comm, op), ": input_split_sizes ",
-                join_list(options.input_split_sizes), " sum to ", in_rows, " but input has ", input.size(0), " rows");
+    const auto in_rows =
+        std::accumulate(options.input_split_sizes.begin(), options.input_split_sizes.end(), int64_t{0});
+    const auto out_rows =
+        std::accumulate(options.output_split_sizes.begin(), options.output_split_sizes.end(), int64_t{0});
+    TORCH_CHECK(in_rows == input.size(0), where(comm, op), ": input_split_sizes ", join_list(options.input_split_sizes),
+                " sum to ", in_rows, " but input has ", input.size(0), " rows");
     TORCH_CHECK(out_rows == output.size(0), where(comm, op), ": output_split_sizes ",
-                join_list(options.output_split_sizes), " sum to ", out_rows, " but output has ", output.size(0), " rows");
-    TORCH_CHECK(in_row == out_row || input.numel() == 0 || output.numel() == 0, where(comm, op),
-                ": input rows have ", in_row, " elements but output rows have ", out_row);
+                join_list(options.output_split_sizes), " sum to ", out_rows, " but output has ", output.size(0),
+                " rows");
+    TORCH_CHECK(in_row == out_row || input.numel() == 0 || output.numel() == 0, where(comm, op), ": input rows have ",
+                in_row, " elements but output rows have ", out_row);
     layout.send_counts = row_counts(options.input_split_sizes, in_row);
     layout.recv_counts = row_counts(options.output_split_sizes, out_row);
   }

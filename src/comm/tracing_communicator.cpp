@@ -50,9 +50,9 @@ void CommTrace::reset() {
 std::string CommTrace::to_string() const {
   std::string out;
   for (const auto& entry : snapshot()) {
-    out += fmt::format("{} {} calls={} bytes={} bus_bytes={:.0f}\n", entry.first.first,
-                       op_type_name(entry.first.second), entry.second.calls, entry.second.bytes,
-                       entry.second.bus_bytes);
+    out +=
+        fmt::format("{} {} calls={} bytes={} bus_bytes={:.0f}\n", entry.first.first, op_type_name(entry.first.second),
+                    entry.second.calls, entry.second.bytes, entry.second.bus_bytes);
   }
   return out;
 }
@@ -88,8 +88,7 @@ WorkPtr TracingCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& opt
   return work;
 }
 
-WorkPtr TracingCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
-                                        const AllGatherOptions& options) {
+WorkPtr TracingCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
   auto work = inner_->all_gather(output, input, options);
   const double n = size();
   record(OpType::kAllGather, nbytes(output), (n - 1) / n);
@@ -104,8 +103,7 @@ WorkPtr TracingCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor
   return work;
 }
 
-WorkPtr TracingCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
-                                        const AllToAllOptions& options) {
+WorkPtr TracingCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   auto work = inner_->all_to_all(output, input, options);
   const int64_t bytes = nbytes(input);
   double to_self = 0.0;

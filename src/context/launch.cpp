@@ -48,15 +48,13 @@ int slurm_tasks_on_node(const char* name, const std::string& text, int node_id) 
     if (node_id < node + repeat) tasks = env_int(name, count.c_str());
     node += repeat;
   }
-  TORCH_CHECK(tasks >= 0, "environment variable ", name, "='", text, "' has no entry for node ",
-              node_id);
+  TORCH_CHECK(tasks >= 0, "environment variable ", name, "='", text, "' has no entry for node ", node_id);
   return tasks;
 }
 
-LaunchInfo make_info(const char* launcher, const char* rank_name, int rank, const char* size_name,
-                     int size) {
-  TORCH_CHECK(size >= 1 && rank < size, "launcher ", launcher, " gives local rank ", rank, " (",
-              rank_name, ") but local size ", size, " (", size_name, ")");
+LaunchInfo make_info(const char* launcher, const char* rank_name, int rank, const char* size_name, int size) {
+  TORCH_CHECK(size >= 1 && rank < size, "launcher ", launcher, " gives local rank ", rank, " (", rank_name,
+              ") but local size ", size, " (", size_name, ")");
   LaunchInfo info;
   info.local_rank = rank;
   info.local_size = size;
@@ -79,8 +77,7 @@ LaunchInfo detect_with(const Lookup& get) {
     const char* size = get(pair.size);
     TORCH_CHECK(size != nullptr, "environment variable ", pair.rank, " is set but ", pair.size,
                 " is not; cannot tell how many processes share this node");
-    return make_info(pair.launcher, pair.rank, env_int(pair.rank, get(pair.rank)), pair.size,
-                     env_int(pair.size, size));
+    return make_info(pair.launcher, pair.rank, env_int(pair.rank, get(pair.rank)), pair.size, env_int(pair.size, size));
   };
   for (const Pair& pair : mpi_pairs) {
     if (get(pair.rank) != nullptr) return from_pair(pair);
@@ -88,8 +85,7 @@ LaunchInfo detect_with(const Lookup& get) {
 
   if (const char* local_id = get("SLURM_LOCALID")) {
     const int rank = env_int("SLURM_LOCALID", local_id);
-    for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
-                             "SLURM_TASKS_PER_NODE"}) {
+    for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
       if (const char* value = get(name)) {
         const char* node_text = get("SLURM_NODEID");
         const int node = node_text ? env_int("SLURM_NODEID", node_text) : 0;
@@ -99,8 +95,9 @@ LaunchInfo detect_with(const Lookup& get) {
                          uniform ? env_int(name, value) : slurm_tasks_on_node(name, value, node));
       }
     }
-    TORCH_CHECK(false, "environment variable SLURM_LOCALID is set but none of "
-                       "SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE is");
+    TORCH_CHECK(false,
+                "environment variable SLURM_LOCALID is set but none of "
+                "SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE is");
   }
 
   const Pair torchrun = {"torchrun", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
@@ -125,14 +122,10 @@ c10::Device pick_device(const LaunchInfo& info, int cuda_device_count) {
   TORCH_CHECK(cuda_device_count >= 0, "CUDA device count ", cuda_device_count, " is negative");
   TORCH_CHECK(info.local_rank >= 0, "local rank ", info.local_rank, " is negative");
   if (cuda_device_count == 0) return c10::Device(c10::DeviceType::CPU);
-  return c10::Device(c10::DeviceType::CUDA,
-                     static_cast<c10::DeviceIndex>(info.local_rank % cuda_device_count));
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(info.local_rank % cuda_device_count));
 }
 
-
-c10::Device local_device() {
-  return pick_device(detect_launch(), static_cast<int>(torch::cuda::device_count()));
-}
+c10::Device local_device() { return pick_device(detect_launch(), static_cast<int>(torch::cuda::device_count())); }
 
 }  // namespace context
 }  // namespace tessera

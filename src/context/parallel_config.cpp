@@ -96,8 +96,7 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
     config.order(value);
   } else if (flag == "--seed") {
     uint64_t seed = 0;
-    TORCH_CHECK(parse_uint64(value, &seed), "flag --seed expects a non-negative integer, got '",
-                value, "'");
+    TORCH_CHECK(parse_uint64(value, &seed), "flag --seed expects a non-negative integer, got '", value, "'");
     config.seed(seed);
   } else {
     TORCH_INTERNAL_ASSERT(false, "unhandled flag ", flag);
@@ -105,40 +104,33 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
 }
 
 bool is_known_flag(const std::string& flag) {
-  static constexpr std::array<const char*, 10> kFlags = {
-      "--dp", "--pp", "--tp", "--tp-mode", "--tp-depth",
-      "--sp", "--sp-mode", "--ep", "--order", "--seed"};
-  return std::any_of(kFlags.begin(), kFlags.end(),
-                     [&](const char* known) { return flag == known; });
+  static constexpr std::array<const char*, 10> kFlags = {"--dp", "--pp",      "--tp", "--tp-mode", "--tp-depth",
+                                                         "--sp", "--sp-mode", "--ep", "--order",   "--seed"};
+  return std::any_of(kFlags.begin(), kFlags.end(), [&](const char* known) { return flag == known; });
 }
 
 using Json = nlohmann::json;
 
 int json_int(const Json& value, const std::string& key) {
-  TORCH_CHECK(value.is_number_integer(), "parallel config key '", key,
-              "' must be an integer, got ", value.dump());
+  TORCH_CHECK(value.is_number_integer(), "parallel config key '", key, "' must be an integer, got ", value.dump());
   constexpr int kMax = std::numeric_limits<int>::max();
   // Unsigned first: a value above 2^63 would wrap when read as int64.
-  const bool in_range =
-      value.is_number_unsigned()
-          ? value.get<uint64_t>() <= static_cast<uint64_t>(kMax)
-          : value.get<int64_t>() >= std::numeric_limits<int>::min() && value.get<int64_t>() <= kMax;
+  const bool in_range = value.is_number_unsigned()
+                            ? value.get<uint64_t>() <= static_cast<uint64_t>(kMax)
+                            : value.get<int64_t>() >= std::numeric_limits<int>::min() && value.get<int64_t>() <= kMax;
   TORCH_CHECK(in_range, "parallel config key '", key, "' is out of range: ", value.dump());
   return static_cast<int>(value.get<int64_t>());
 }
 
 std::string json_string(const Json& value, const std::string& key) {
-  TORCH_CHECK(value.is_string(), "parallel config key '", key, "' must be a string, got ",
-              value.dump());
+  TORCH_CHECK(value.is_string(), "parallel config key '", key, "' must be a string, got ", value.dump());
   return value.get<std::string>();
 }
 
-void check_keys(const Json& object, const std::string& where,
-                const std::vector<std::string>& allowed) {
+void check_keys(const Json& object, const std::string& where, const std::vector<std::string>& allowed) {
   for (auto it = object.begin(); it != object.end(); ++it) {
-    TORCH_CHECK(std::find(allowed.begin(), allowed.end(), it.key()) != allowed.end(),
-                "unknown parallel config key '", where, it.key(), "'; accepted keys are ",
-                join_list(allowed));
+    TORCH_CHECK(std::find(allowed.begin(), allowed.end(), it.key()) != allowed.end(), "unknown parallel config key '",
+                where, it.key(), "'; accepted keys are ", join_list(allowed));
   }
 }
 
@@ -146,10 +138,14 @@ void check_keys(const Json& object, const std::string& where,
 
 std::string tensor_mode_name(TensorMode mode) {
   switch (mode) {
-    case TensorMode::k1D: return "1d";
-    case TensorMode::k2D: return "2d";
-    case TensorMode::k2p5D: return "2.5d";
-    case TensorMode::k3D: return "3d";
+    case TensorMode::k1D:
+      return "1d";
+    case TensorMode::k2D:
+      return "2d";
+    case TensorMode::k2p5D:
+      return "2.5d";
+    case TensorMode::k3D:
+      return "3d";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown TensorMode ", static_cast<int>(mode));
 }
@@ -163,8 +159,10 @@ TensorMode parse_tensor_mode(const std::string& name) {
 
 std::string sequence_mode_name(SequenceMode mode) {
   switch (mode) {
-    case SequenceMode::kUlysses: return "ulysses";
-    case SequenceMode::kRing: return "ring";
+    case SequenceMode::kUlysses:
+      return "ulysses";
+    case SequenceMode::kRing:
+      return "ring";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown SequenceMode ", static_cast<int>(mode));
 }
@@ -178,10 +176,14 @@ SequenceMode parse_sequence_mode(const std::string& name) {
 
 std::string dim_name(Dim dim) {
   switch (dim) {
-    case Dim::kTensor: return "tp";
-    case Dim::kSequence: return "sp";
-    case Dim::kData: return "dp";
-    case Dim::kPipeline: return "pp";
+    case Dim::kTensor:
+      return "tp";
+    case Dim::kSequence:
+      return "sp";
+    case Dim::kData:
+      return "dp";
+    case Dim::kPipeline:
+      return "pp";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown Dim ", static_cast<int>(dim));
 }
@@ -192,38 +194,40 @@ std::vector<Dim> parse_order(const std::string& order) {
   std::istringstream in(order);
   std::string token;
   // getline drops a trailing empty token; check for it by hand.
-  TORCH_CHECK(order.empty() || order.back() != '-', "order '", order,
-              "' has an empty dimension name; ", kOrderRule);
+  TORCH_CHECK(order.empty() || order.back() != '-', "order '", order, "' has an empty dimension name; ", kOrderRule);
   while (std::getline(in, token, '-')) {
     auto it = std::find_if(all.begin(), all.end(), [&](Dim d) { return dim_name(d) == token; });
-    TORCH_CHECK(it != all.end(), "order '", order, "' has unknown dimension '", token, "'; ",
-                kOrderRule);
-    TORCH_CHECK(std::find(dims.begin(), dims.end(), *it) == dims.end(), "order '", order,
-                "' repeats dimension '", token, "'; ", kOrderRule);
+    TORCH_CHECK(it != all.end(), "order '", order, "' has unknown dimension '", token, "'; ", kOrderRule);
+    TORCH_CHECK(std::find(dims.begin(), dims.end(), *it) == dims.end(), "order '", order, "' repeats dimension '",
+                token, "'; ", kOrderRule);
     dims.push_back(*it);
   }
   for (Dim d : all) {
-    TORCH_CHECK(std::find(dims.begin(), dims.end(), d) != dims.end(), "order '", order,
-                "' is missing dimension '", dim_name(d), "'; ", kOrderRule);
+    TORCH_CHECK(std::find(dims.begin(), dims.end(), d) != dims.end(), "order '", order, "' is missing dimension '",
+                dim_name(d), "'; ", kOrderRule);
   }
   return dims;
 }
 
 int ParallelConfig::size(Dim dim) const {
   switch (dim) {
-    case Dim::kTensor: return tensor_;
-    case Dim::kSequence: return sequence_;
-    case Dim::kData: return data_;
-    case Dim::kPipeline: return pipeline_;
+    case Dim::kTensor:
+      return tensor_;
+    case Dim::kSequence:
+      return sequence_;
+    case Dim::kData:
+      return data_;
+    case Dim::kPipeline:
+      return pipeline_;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown Dim ", static_cast<int>(dim));
 }
 
 bool operator==(const ParallelConfig& a, const ParallelConfig& b) {
   return a.data() == b.data() && a.pipeline() == b.pipeline() && a.tensor() == b.tensor() &&
-         a.tensor_mode() == b.tensor_mode() && a.tensor_depth() == b.tensor_depth() &&
-         a.sequence() == b.sequence() && a.sequence_mode() == b.sequence_mode() &&
-         a.expert() == b.expert() && a.order() == b.order() && a.seed() == b.seed();
+         a.tensor_mode() == b.tensor_mode() && a.tensor_depth() == b.tensor_depth() && a.sequence() == b.sequence() &&
+         a.sequence_mode() == b.sequence_mode() && a.expert() == b.expert() && a.order() == b.order() &&
+         a.seed() == b.seed();
 }
 
 bool operator!=(const ParallelConfig& a, const ParallelConfig& b) { return !(a == b); }
@@ -259,40 +263,34 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size) {
                   " is not a perfect square, which tensor mode 2d requires");
       break;
     case TensorMode::k2p5D:
-      TORCH_CHECK(depth >= 1, "tensor depth ", depth,
-                  " is invalid: tensor mode 2.5d needs a depth of at least 1");
+      TORCH_CHECK(depth >= 1, "tensor depth ", depth, " is invalid: tensor mode 2.5d needs a depth of at least 1");
       TORCH_CHECK(tp % depth == 0, "tensor size ", tp, " is not divisible by tensor depth ", depth,
                   ", which tensor mode 2.5d requires (tensor = q*q*depth)");
-      TORCH_CHECK(is_power_of_root(tp / depth, 2), "tensor size ", tp, " divided by tensor depth ",
-                  depth, " is ", tp / depth,
-                  ", which is not a perfect square; tensor mode 2.5d requires tensor = q*q*depth");
+      TORCH_CHECK(is_power_of_root(tp / depth, 2), "tensor size ", tp, " divided by tensor depth ", depth, " is ",
+                  tp / depth, ", which is not a perfect square; tensor mode 2.5d requires tensor = q*q*depth");
       break;
     case TensorMode::k3D:
-      TORCH_CHECK(is_power_of_root(tp, 3), "tensor size ", tp,
-                  " is not a perfect cube, which tensor mode 3d requires");
+      TORCH_CHECK(is_power_of_root(tp, 3), "tensor size ", tp, " is not a perfect cube, which tensor mode 3d requires");
       break;
   }
 
   // World = dp·pp·tp·sp, in 64 bits so that absurd sizes cannot overflow.
-  const int64_t model =
-      int64_t{config.pipeline()} * int64_t{config.tensor()} * int64_t{config.sequence()};
+  const int64_t model = int64_t{config.pipeline()} * int64_t{config.tensor()} * int64_t{config.sequence()};
   ParallelConfig resolved = config;
   if (config.data() == 0) {
     TORCH_CHECK(world_size % model == 0, "world size ", world_size,
-                " is not divisible by pipeline*tensor*sequence = ", model, " (pp=",
-                config.pipeline(), " tp=", tp, " sp=", config.sequence(),
-                "), so the data size cannot be derived");
+                " is not divisible by pipeline*tensor*sequence = ", model, " (pp=", config.pipeline(), " tp=", tp,
+                " sp=", config.sequence(), "), so the data size cannot be derived");
     resolved.data(static_cast<int>(world_size / model));
   } else {
     const int64_t product = int64_t{config.data()} * model;
     TORCH_CHECK(product == world_size, "world size ", world_size,
-                " does not equal data*pipeline*tensor*sequence = ", config.data(), "*",
-                config.pipeline(), "*", tp, "*", config.sequence(), " = ", product);
+                " does not equal data*pipeline*tensor*sequence = ", config.data(), "*", config.pipeline(), "*", tp, "*",
+                config.sequence(), " = ", product);
   }
 
-  TORCH_CHECK(resolved.data() % config.expert() == 0, "expert size ", config.expert(),
-              " does not divide data size ", resolved.data(),
-              "; expert groups are carved out of the data dimension");
+  TORCH_CHECK(resolved.data() % config.expert() == 0, "expert size ", config.expert(), " does not divide data size ",
+              resolved.data(), "; expert groups are carved out of the data dimension");
   return resolved;
 }
 
@@ -315,8 +313,7 @@ ParallelConfig config_from_args(int argc, const char* const* argv, const Paralle
       value = arg.substr(eq + 1);
       TORCH_CHECK(!value.empty(), "flag ", flag, " is missing its value");
     } else {
-      TORCH_CHECK(i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0, "flag ", flag,
-                  " is missing its value");
+      TORCH_CHECK(i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0, "flag ", flag, " is missing its value");
       value = argv[++i];
     }
     apply_flag(config, flag, value);
@@ -332,8 +329,7 @@ ParallelConfig config_from_json(const std::string& json_text) {
     TORCH_CHECK(false, "parallel config is not valid JSON: ", e.what());
   }
   TORCH_CHECK(root.is_object(), "parallel config must be a JSON object, got ", root.dump());
-  check_keys(root, "",
-             {"data", "pipeline", "tensor", "sequence", "expert", "order", "seed"});
+  check_keys(root, "", {"data", "pipeline", "tensor", "sequence", "expert", "order", "seed"});
 
   ParallelConfig config;
   if (root.contains("data")) config.data(json_int(root["data"], "data"));
@@ -398,11 +394,10 @@ std::string to_string(const ParallelConfig& config) {
   } else {
     out << config.data();
   }
-  out << " pp=" << config.pipeline() << " tp=" << config.tensor() << '('
-      << tensor_mode_name(config.tensor_mode());
+  out << " pp=" << config.pipeline() << " tp=" << config.tensor() << '(' << tensor_mode_name(config.tensor_mode());
   if (config.tensor_mode() == TensorMode::k2p5D) out << ",depth=" << config.tensor_depth();
-  out << ") sp=" << config.sequence() << '(' << sequence_mode_name(config.sequence_mode())
-      << ") ep=" << config.expert() << " order=" << config.order() << " seed=" << config.seed();
+  out << ") sp=" << config.sequence() << '(' << sequence_mode_name(config.sequence_mode()) << ") ep=" << config.expert()
+      << " order=" << config.order() << " seed=" << config.seed();
   return out.str();
 }
 

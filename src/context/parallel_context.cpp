@@ -22,13 +22,9 @@ uint64_t fnv1a(const std::string& text) {
 }  // namespace
 
 ParallelContext::ParallelContext(comm::CommunicatorPtr world, RankGrid grid)
-    : world_(std::move(world)),
-      grid_(std::move(grid)),
-      global_rank_(world_->rank()),
-      comms_(all_modes().size()) {}
+    : world_(std::move(world)), grid_(std::move(grid)), global_rank_(world_->rank()), comms_(all_modes().size()) {}
 
-std::shared_ptr<ParallelContext> ParallelContext::create(comm::CommunicatorPtr world,
-                                                         const ParallelConfig& config) {
+std::shared_ptr<ParallelContext> ParallelContext::create(comm::CommunicatorPtr world, const ParallelConfig& config) {
   TORCH_CHECK(world != nullptr, "ParallelContext::create needs a world communicator");
   // Throws before any communication; see Note [Context creation].
   RankGrid grid(config, world->size());
@@ -39,9 +35,9 @@ std::shared_ptr<ParallelContext> ParallelContext::create(comm::CommunicatorPtr w
   const std::string summary = to_string(g.config());
   const int color = static_cast<int>(fnv1a(summary) & 0x3fffffffULL);
   const comm::CommunicatorPtr same = world->split(color, me, "config_check");
-  TORCH_CHECK(same != nullptr && same->size() == world->size(), "ranks disagree on the parallel ",
-              "config: only ", same ? same->size() : 0, " of ", world->size(),
-              " ranks have the config of rank ", me, " (", summary, ")");
+  TORCH_CHECK(same != nullptr && same->size() == world->size(), "ranks disagree on the parallel ", "config: only ",
+              same ? same->size() : 0, " of ", world->size(), " ranks have the config of rank ", me, " (", summary,
+              ")");
 
   for (ParallelMode mode : all_modes()) {
     if (!g.has_mode(mode)) continue;
@@ -51,11 +47,9 @@ std::shared_ptr<ParallelContext> ParallelContext::create(comm::CommunicatorPtr w
     }
     const int key = g.local_rank(mode, me);
     comm::CommunicatorPtr group = world->split(g.group_index(mode, me), key, mode_name(mode));
-    TORCH_INTERNAL_ASSERT(group != nullptr && group->size() == g.group_size(mode) &&
-                              group->rank() == key,
-                          "split for mode ", mode_name(mode), " gave rank ",
-                          group ? group->rank() : -1, " of ", group ? group->size() : 0,
-                          ", expected ", key, " of ", g.group_size(mode));
+    TORCH_INTERNAL_ASSERT(group != nullptr && group->size() == g.group_size(mode) && group->rank() == key,
+                          "split for mode ", mode_name(mode), " gave rank ", group ? group->rank() : -1, " of ",
+                          group ? group->size() : 0, ", expected ", key, " of ", g.group_size(mode));
     context->comms_[static_cast<size_t>(mode)] = std::move(group);
   }
   return context;

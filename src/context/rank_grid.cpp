@@ -14,19 +14,28 @@ int dim_index(Dim dim) { return static_cast<int>(dim); }
 // Which tensor mode a tensor sub-mode belongs to; k1D's own mode is 1d.
 bool tensor_mode_of(ParallelMode mode, TensorMode* out) {
   switch (mode) {
-    case ParallelMode::k1D: *out = TensorMode::k1D; return true;
+    case ParallelMode::k1D:
+      *out = TensorMode::k1D;
+      return true;
     case ParallelMode::k2DRow:
-    case ParallelMode::k2DCol: *out = TensorMode::k2D; return true;
+    case ParallelMode::k2DCol:
+      *out = TensorMode::k2D;
+      return true;
     case ParallelMode::k2p5DRow:
     case ParallelMode::k2p5DCol:
     case ParallelMode::k2p5DDep:
-    case ParallelMode::k2p5DXZ: *out = TensorMode::k2p5D; return true;
+    case ParallelMode::k2p5DXZ:
+      *out = TensorMode::k2p5D;
+      return true;
     case ParallelMode::k3DInput:
     case ParallelMode::k3DWeight:
     case ParallelMode::k3DOutput:
     case ParallelMode::k3DInputWeight:
-    case ParallelMode::k3DOutputWeight: *out = TensorMode::k3D; return true;
-    default: return false;
+    case ParallelMode::k3DOutputWeight:
+      *out = TensorMode::k3D;
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -63,27 +72,48 @@ std::string short_list(const std::vector<int>& values) {
 
 std::string mode_name(ParallelMode mode) {
   switch (mode) {
-    case ParallelMode::kGlobal: return "global";
-    case ParallelMode::kData: return "data";
-    case ParallelMode::kPipeline: return "pipeline";
-    case ParallelMode::kTensor: return "tensor";
-    case ParallelMode::kSequence: return "sequence";
-    case ParallelMode::kDataSequence: return "data_sequence";
-    case ParallelMode::kModel: return "model";
-    case ParallelMode::k1D: return "1d";
-    case ParallelMode::k2DRow: return "2d_row";
-    case ParallelMode::k2DCol: return "2d_col";
-    case ParallelMode::k2p5DRow: return "2.5d_row";
-    case ParallelMode::k2p5DCol: return "2.5d_col";
-    case ParallelMode::k2p5DDep: return "2.5d_dep";
-    case ParallelMode::k2p5DXZ: return "2.5d_xz";
-    case ParallelMode::k3DInput: return "3d_input";
-    case ParallelMode::k3DWeight: return "3d_weight";
-    case ParallelMode::k3DOutput: return "3d_output";
-    case ParallelMode::k3DInputWeight: return "3d_input_weight";
-    case ParallelMode::k3DOutputWeight: return "3d_output_weight";
-    case ParallelMode::kExpert: return "expert";
-    case ParallelMode::kExpertData: return "expert_data";
+    case ParallelMode::kGlobal:
+      return "global";
+    case ParallelMode::kData:
+      return "data";
+    case ParallelMode::kPipeline:
+      return "pipeline";
+    case ParallelMode::kTensor:
+      return "tensor";
+    case ParallelMode::kSequence:
+      return "sequence";
+    case ParallelMode::kDataSequence:
+      return "data_sequence";
+    case ParallelMode::kModel:
+      return "model";
+    case ParallelMode::k1D:
+      return "1d";
+    case ParallelMode::k2DRow:
+      return "2d_row";
+    case ParallelMode::k2DCol:
+      return "2d_col";
+    case ParallelMode::k2p5DRow:
+      return "2.5d_row";
+    case ParallelMode::k2p5DCol:
+      return "2.5d_col";
+    case ParallelMode::k2p5DDep:
+      return "2.5d_dep";
+    case ParallelMode::k2p5DXZ:
+      return "2.5d_xz";
+    case ParallelMode::k3DInput:
+      return "3d_input";
+    case ParallelMode::k3DWeight:
+      return "3d_weight";
+    case ParallelMode::k3DOutput:
+      return "3d_output";
+    case ParallelMode::k3DInputWeight:
+      return "3d_input_weight";
+    case ParallelMode::k3DOutputWeight:
+      return "3d_output_weight";
+    case ParallelMode::kExpert:
+      return "expert";
+    case ParallelMode::kExpertData:
+      return "expert_data";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ParallelMode ", static_cast<int>(mode));
 }
@@ -151,9 +181,8 @@ int RankGrid::coordinate(Dim dim, int global_rank) const {
 int RankGrid::global_rank_at(const std::array<int, kNumDims>& coordinates) const {
   int rank = 0;
   for (int d = 0; d < kNumDims; ++d) {
-    TORCH_CHECK(coordinates[d] >= 0 && coordinates[d] < dim_size_[d], "coordinate ",
-                coordinates[d], " of dimension ", dim_name(static_cast<Dim>(d)),
-                " is outside [0, ", dim_size_[d], ")");
+    TORCH_CHECK(coordinates[d] >= 0 && coordinates[d] < dim_size_[d], "coordinate ", coordinates[d], " of dimension ",
+                dim_name(static_cast<Dim>(d)), " is outside [0, ", dim_size_[d], ")");
     rank += coordinates[d] * stride_[d];
   }
   return rank;
@@ -187,36 +216,61 @@ std::vector<RankGrid::Axis> RankGrid::varying_axes(ParallelMode mode) const {
       std::vector<Axis> axes;
       for (Dim dim : parse_order(config_.order())) {
         switch (dim) {
-          case Dim::kTensor: axes.insert(axes.end(), {kT0, kT1, kT2}); break;
-          case Dim::kSequence: axes.push_back(kSeq); break;
-          case Dim::kData: axes.insert(axes.end(), {kE0, kE1}); break;
-          case Dim::kPipeline: axes.push_back(kPipe); break;
+          case Dim::kTensor:
+            axes.insert(axes.end(), {kT0, kT1, kT2});
+            break;
+          case Dim::kSequence:
+            axes.push_back(kSeq);
+            break;
+          case Dim::kData:
+            axes.insert(axes.end(), {kE0, kE1});
+            break;
+          case Dim::kPipeline:
+            axes.push_back(kPipe);
+            break;
         }
       }
       return axes;
     }
-    case ParallelMode::kData: return {kE0, kE1};
-    case ParallelMode::kPipeline: return {kPipe};
+    case ParallelMode::kData:
+      return {kE0, kE1};
+    case ParallelMode::kPipeline:
+      return {kPipe};
     case ParallelMode::kTensor:
-    case ParallelMode::k1D: return {kT0, kT1, kT2};
-    case ParallelMode::kSequence: return {kSeq};
-    case ParallelMode::kDataSequence: return {kSeq, kE0, kE1};
-    case ParallelMode::kModel: return {kT0, kT1, kT2, kPipe};
+    case ParallelMode::k1D:
+      return {kT0, kT1, kT2};
+    case ParallelMode::kSequence:
+      return {kSeq};
+    case ParallelMode::kDataSequence:
+      return {kSeq, kE0, kE1};
+    case ParallelMode::kModel:
+      return {kT0, kT1, kT2, kPipe};
     // 2d and 2.5d: T0 = column j, T1 = row i, T2 = depth k.
     case ParallelMode::k2DRow:
-    case ParallelMode::k2p5DRow: return {kT0};
+    case ParallelMode::k2p5DRow:
+      return {kT0};
     case ParallelMode::k2DCol:
-    case ParallelMode::k2p5DCol: return {kT1};
-    case ParallelMode::k2p5DDep: return {kT2};
-    case ParallelMode::k2p5DXZ: return {kT1, kT2};
+    case ParallelMode::k2p5DCol:
+      return {kT1};
+    case ParallelMode::k2p5DDep:
+      return {kT2};
+    case ParallelMode::k2p5DXZ:
+      return {kT1, kT2};
     // 3d: T0 = i, T1 = j, T2 = k.
-    case ParallelMode::k3DInput: return {kT1};
-    case ParallelMode::k3DWeight: return {kT2};
-    case ParallelMode::k3DOutput: return {kT0};
-    case ParallelMode::k3DInputWeight: return {kT1, kT2};
-    case ParallelMode::k3DOutputWeight: return {kT0, kT2};
-    case ParallelMode::kExpert: return {kE0};
-    case ParallelMode::kExpertData: return {kE1};
+    case ParallelMode::k3DInput:
+      return {kT1};
+    case ParallelMode::k3DWeight:
+      return {kT2};
+    case ParallelMode::k3DOutput:
+      return {kT0};
+    case ParallelMode::k3DInputWeight:
+      return {kT1, kT2};
+    case ParallelMode::k3DOutputWeight:
+      return {kT0, kT2};
+    case ParallelMode::kExpert:
+      return {kE0};
+    case ParallelMode::kExpertData:
+      return {kE1};
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ParallelMode ", static_cast<int>(mode));
 }
@@ -239,13 +293,13 @@ void RankGrid::check_mode(ParallelMode mode) const {
   TensorMode needed = TensorMode::k1D;
   tensor_mode_of(mode, &needed);
   TORCH_CHECK(false, "parallel mode ", mode_name(mode), " is not available: the tensor mode is ",
-              tensor_mode_name(config_.tensor_mode()), ", and ", mode_name(mode),
-              " exists only in tensor mode ", tensor_mode_name(needed));
+              tensor_mode_name(config_.tensor_mode()), ", and ", mode_name(mode), " exists only in tensor mode ",
+              tensor_mode_name(needed));
 }
 
 void RankGrid::check_rank(int global_rank) const {
-  TORCH_CHECK(global_rank >= 0 && global_rank < world_size_, "global rank ", global_rank,
-              " is outside [0, ", world_size_, ")");
+  TORCH_CHECK(global_rank >= 0 && global_rank < world_size_, "global rank ", global_rank, " is outside [0, ",
+              world_size_, ")");
 }
 
 int RankGrid::group_size(ParallelMode mode) const {
@@ -324,8 +378,11 @@ std::string RankGrid::describe(int global_rank) const {
   }
   const Coords c = split(global_rank);
   switch (config_.tensor_mode()) {
-    case TensorMode::k1D: break;
-    case TensorMode::k2D: out << " (2d i=" << c[kT1] << " j=" << c[kT0] << ')'; break;
+    case TensorMode::k1D:
+      break;
+    case TensorMode::k2D:
+      out << " (2d i=" << c[kT1] << " j=" << c[kT0] << ')';
+      break;
     case TensorMode::k2p5D:
       out << " (2.5d k=" << c[kT2] << " i=" << c[kT1] << " j=" << c[kT0] << ')';
       break;

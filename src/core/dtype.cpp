@@ -10,9 +10,8 @@ namespace {
 
 const std::vector<std::pair<c10::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<c10::ScalarType, const char*>> names = {
-      {c10::kFloat, "float32"}, {c10::kDouble, "float64"}, {c10::kBFloat16, "bfloat16"},
-      {c10::kHalf, "float16"},  {c10::kInt, "int32"},      {c10::kLong, "int64"},
-      {c10::kByte, "uint8"},    {c10::kBool, "bool"},
+      {c10::kFloat, "float32"}, {c10::kDouble, "float64"}, {c10::kBFloat16, "bfloat16"}, {c10::kHalf, "float16"},
+      {c10::kInt, "int32"},     {c10::kLong, "int64"},     {c10::kByte, "uint8"},        {c10::kBool, "bool"},
   };
   return names;
 }

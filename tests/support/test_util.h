@@ -42,17 +42,15 @@ template <typename Fn>
 
 // EXPECT_ERROR_CONTAINS(statement, "part", ...): statement throws a
 // c10::Error whose message contains every part.
-#define EXPECT_ERROR_CONTAINS(statement, ...)                                                               \
-  do {                                                                                                    \
-    const std::string message_ = ::tessera::test::error_of([&] { statement; });                            \
-    for (const char* part_ : {__VA_ARGS__}) {                                                             \
-      EXPECT_NE(message_.find(part_), std::string::npos) << #statement << "\n  message: " << message_        \
-                                                         << "\n  lacks: " << part_;                        \
-    }                                                                                                     \
+#define EXPECT_ERROR_CONTAINS(statement, ...)                                     \
+  do {                                                                            \
+    const std::string message_ = ::tessera::test::error_of([&] { statement; });   \
+    for (const char* part_ : {__VA_ARGS__}) {                                     \
+      EXPECT_NE(message_.find(part_), std::string::npos)                          \
+          << #statement << "\n  message: " << message_ << "\n  lacks: " << part_; \
+    }                                                                             \
   } while (0)
 
 namespace tessera {
-namespace test {
-
-}  // namespace test
+namespace test {}  // namespace test
 }  // namespace tessera

@@ -139,16 +139,14 @@ class Communicator {
   virtual WorkPtr reduce(at::Tensor& tensor, const ReduceOptions& options = {}) = 0;
   // output (numel = size() * input.numel()) receives rank r's input at
   // offset r * input.numel(), flat.
-  virtual WorkPtr all_gather(at::Tensor& output, const at::Tensor& input,
-                             const AllGatherOptions& options = {}) = 0;
+  virtual WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {}) = 0;
   // input (numel = size() * output.numel()) is reduced over ranks and rank r
   // keeps the r-th flat chunk in output.
   virtual WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                  const ReduceScatterOptions& options = {}) = 0;
   // Rows [offset_r, offset_r + input_split[r]) of input go to rank r; output
   // receives output_split[r] rows from rank r, in rank order.
-  virtual WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input,
-                             const AllToAllOptions& options = {}) = 0;
+  virtual WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {}) = 0;
   virtual WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) = 0;
   virtual WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) = 0;
   virtual WorkPtr barrier(const BarrierOptions& options = {}) = 0;

@@ -20,10 +20,9 @@ inline std::string mpi_error_string(int code) {
 }  // namespace comm
 }  // namespace tessera
 
-#define TESSERA_MPI_CHECK(call)                                                           \
-  do {                                                                                    \
-    int tessera_mpi_rc_ = (call);                                                         \
-    TORCH_CHECK(tessera_mpi_rc_ == MPI_SUCCESS, "MPI call failed: ", #call, ": ",         \
-                ::tessera::comm::mpi_error_string(tessera_mpi_rc_), " (code ", tessera_mpi_rc_, \
-                ")");                                                                     \
+#define TESSERA_MPI_CHECK(call)                                                                       \
+  do {                                                                                                \
+    int tessera_mpi_rc_ = (call);                                                                     \
+    TORCH_CHECK(tessera_mpi_rc_ == MPI_SUCCESS, "MPI call failed: ", #call, ": ",                     \
+                ::tessera::comm::mpi_error_string(tessera_mpi_rc_), " (code ", tessera_mpi_rc_, ")"); \
   } while (0)

@@ -37,12 +37,10 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;
   WorkPtr reduce(at::Tensor& tensor, const ReduceOptions& options = {}) override;
-  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input,
-                     const AllGatherOptions& options = {}) override;
+  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {}) override;
   WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
                          const ReduceScatterOptions& options = {}) override;
-  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input,
-                     const AllToAllOptions& options = {}) override;
+  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {}) override;
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   WorkPtr barrier(const BarrierOptions& options = {}) override;

@@ -30,27 +30,24 @@ inline std::string nccl_last_error_suffix() {
 }  // namespace tessera
 
 // Throws c10::Error if `call` (an expression of type ncclResult_t) failed.
-#define TESSERA_NCCL_CHECK(call)                                                  \
-  do {                                                                            \
-    const ::ncclResult_t tessera_nccl_result_ = (call);                           \
-    if (C10_UNLIKELY(tessera_nccl_result_ != ::ncclSuccess)) {                    \
-      TORCH_CHECK(false, "NCCL call `", #call, "` failed with error ",            \
-                  static_cast<int>(tessera_nccl_result_), " (",                   \
-                  ::ncclGetErrorString(tessera_nccl_result_), ")",                \
-                  ::tessera::comm::detail::nccl_last_error_suffix());             \
-    }                                                                             \
+#define TESSERA_NCCL_CHECK(call)                                                                                       \
+  do {                                                                                                                 \
+    const ::ncclResult_t tessera_nccl_result_ = (call);                                                                \
+    if (C10_UNLIKELY(tessera_nccl_result_ != ::ncclSuccess)) {                                                         \
+      TORCH_CHECK(false, "NCCL call `", #call, "` failed with error ", static_cast<int>(tessera_nccl_result_), " (",   \
+                  ::ncclGetErrorString(tessera_nccl_result_), ")", ::tessera::comm::detail::nccl_last_error_suffix()); \
+    }                                                                                                                  \
   } while (0)
 
 // Throws c10::Error if `call` (an expression of type cudaError_t) failed. The
 // error is also cleared from the thread's last-error slot (sticky errors stay)
 // so that a later, unrelated check does not report it again.
-#define TESSERA_CUDA_CHECK(call)                                                  \
-  do {                                                                            \
-    const ::cudaError_t tessera_cuda_result_ = (call);                            \
-    if (C10_UNLIKELY(tessera_cuda_result_ != ::cudaSuccess)) {                    \
-      (void)::cudaGetLastError();                                                 \
-      TORCH_CHECK(false, "CUDA call `", #call, "` failed with ",                  \
-                  ::cudaGetErrorName(tessera_cuda_result_), " (",                 \
-                  ::cudaGetErrorString(tessera_cuda_result_), ")");               \
-    }                                                                             \
+#define TESSERA_CUDA_CHECK(call)                                                                                 \
+  do {                                                                                                           \
+    const ::cudaError_t tessera_cuda_result_ = (call);                                                           \
+    if (C10_UNLIKELY(tessera_cuda_result_ != ::cudaSuccess)) {                                                   \
+      (void)::cudaGetLastError();                                                                                \
+      TORCH_CHECK(false, "CUDA call `", #call, "` failed with ", ::cudaGetErrorName(tessera_cuda_result_), " (", \
+                  ::cudaGetErrorString(tessera_cuda_result_), ")");                                              \
+    }                                                                                                            \
   } while (0)

@@ -28,8 +28,7 @@ class NcclCommunicator final : public Communicator {
   // split()), broadcasts an NCCL unique id from rank 0 and initialises the
   // NCCL communicator on `cuda_device`. If any rank rejects its device, every
   // rank throws instead of hanging.
-  static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device,
-                                                  const std::string& name);
+  static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device, const std::string& name);
 
   // Not collective for MPI, but ncclCommDestroy may wait for peers to flush
   // outstanding operations: destroy communicators on all ranks alike.
@@ -48,12 +47,10 @@ class NcclCommunicator final : public Communicator {
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;
   WorkPtr reduce(at::Tensor& tensor, const ReduceOptions& options = {}) override;
-  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input,
-                     const AllGatherOptions& options = {}) override;
+  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {}) override;
   WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
                          const ReduceScatterOptions& options = {}) override;
-  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input,
-                     const AllToAllOptions& options = {}) override;
+  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {}) override;
   // NCCL has no tags: options.tag is ignored, and messages between a pair of
   // ranks match in the order the calls are made.
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
@@ -68,8 +65,7 @@ class NcclCommunicator final : public Communicator {
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
-  NcclCommunicator(std::unique_ptr<detail::NcclState> state, int rank, int size, int device,
-                   std::string name);
+  NcclCommunicator(std::unique_ptr<detail::NcclState> state, int rank, int size, int device, std::string name);
 
   std::unique_ptr<detail::NcclState> state_;
   int rank_;

@@ -81,8 +81,7 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size);
 // other arguments are ignored (they belong to the user's program); parsing
 // stops at "--". A known flag without a value, or with a value that is not a
 // number where one is needed, throws. argv[0] is the program name.
-ParallelConfig config_from_args(int argc, const char* const* argv,
-                                const ParallelConfig& base = ParallelConfig());
+ParallelConfig config_from_args(int argc, const char* const* argv, const ParallelConfig& base = ParallelConfig());
 
 // Reads a JSON object with the keys
 //   {"data": 2, "pipeline": 1, "tensor": {"size": 4, "mode": "2d", "depth": 1},

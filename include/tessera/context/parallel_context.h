@@ -30,8 +30,7 @@ class ParallelContext {
   //    key = grid.local_rank(mode, rank), name = mode_name(mode)). The same
   //    modes are split in the same order on every rank because they depend
   //    only on the config.
-  static std::shared_ptr<ParallelContext> create(comm::CommunicatorPtr world,
-                                                 const ParallelConfig& config);
+  static std::shared_ptr<ParallelContext> create(comm::CommunicatorPtr world, const ParallelConfig& config);
 
   // The resolved config (data derived).
   const ParallelConfig& config() const { return grid_.config(); }

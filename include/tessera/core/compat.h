@@ -4,8 +4,7 @@
 #include <torch/csrc/api/include/torch/version.h>
 
 #define TESSERA_TORCH_VERSION_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||                  \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace tessera {
 
