@@ -1,4 +1,4 @@
-# tessera_add_mpi_test(NAME name TARGET target RANKS n [TIMEOUT s] [ARGS ...])
+# tessera_add_mpi_test(NAME name TARGET target RANKS n [TIMEOUT s] [ARGS ...] [ENV VAR=value ...])
 #
 # Registers `name.npN` that runs `target` on N ranks with FindMPI's MPIEXEC
 # variables. The environment makes root runs and oversubscription work with
@@ -18,7 +18,7 @@ function(tessera_mpi_command out ranks)
 endfunction()
 
 function(tessera_add_mpi_test)
-  cmake_parse_arguments(T "" "NAME;TARGET;RANKS;TIMEOUT" "ARGS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TARGET;RANKS;TIMEOUT" "ARGS;ENV" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT ${TESSERA_TEST_TIMEOUT})
   endif()
@@ -27,7 +27,7 @@ function(tessera_add_mpi_test)
     COMMAND ${launcher} $<TARGET_FILE:${T_TARGET}> ${MPIEXEC_POSTFLAGS} ${T_ARGS})
   set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
     TIMEOUT ${T_TIMEOUT}
-    ENVIRONMENT "${TESSERA_MPI_TEST_ENV}"
+    ENVIRONMENT "${TESSERA_MPI_TEST_ENV};${T_ENV}"
     LABELS "mpi;np${T_RANKS}")
 endfunction()
 

@@ -84,11 +84,34 @@ TEST(Checked, PointToPointMismatchThrowsOnReceiver) {
     c->send(at::ones({3}), 1);
   } else if (c->rank() == 1) {
     at::Tensor t = at::empty({4});
+    // The payload receive was posted with the descriptor's; the failed Work
+    // completes it when destroyed, so nothing is left pending.
     EXPECT_TRUE(test::throws_with([&] { c->recv(t, 0); }, "point-to-point mismatch"));
-    // Drain the payload the sender queued after its descriptor.
-    at::Tensor payload = at::empty({3});
-    c->inner()->recv(payload, 0);
   }
+}
+
+TEST(Checked, ArgumentErrorOnOneRankFailsEveryRankWithoutHanging) {
+  auto c = checked();
+  if (c->size() == 1) GTEST_SKIP() << "needs two ranks";
+  // Rank 1's tensor is not contiguous: it throws its own error, the others
+  // are told which rank abandoned the call instead of waiting for it.
+  at::Tensor t = c->rank() == 1 ? at::zeros({4, 4}).t() : at::zeros({4, 4});
+  const std::string expected =
+      c->rank() == 1 ? "must be contiguous" : "abandoned: rank(s) [1] rejected their arguments";
+  EXPECT_TRUE(test::throws_with([&] { c->all_reduce(t); }, expected));
+}
+
+TEST(Checked, AsyncReceiveStaysAsynchronous) {
+  // Every rank posts its receive before its send: only works if the checked
+  // recv does not block on the descriptor (Note [Checked point-to-point]).
+  auto c = checked();
+  if (c->size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int n = c->size(), next = (c->rank() + 1) % n, prev = (c->rank() + n - 1) % n;
+  at::Tensor in = at::empty({5}, at::kDouble);
+  auto r = c->recv(in, prev, {3, true});
+  c->send(at::full({5}, double(c->rank()), at::kDouble), next, {3, false});
+  r->wait();
+  EXPECT_TRUE(at::equal(in, at::full({5}, double(prev), at::kDouble)));
 }
 
 TEST(Checked, EnvironmentTurnsItOn) {

@@ -53,7 +53,7 @@ class Collectives : public ::testing::TestWithParam<Case> {
     return (r + 1) * (at::remainder(i, 3) + 1);
   }
 
-  std::shared_ptr<comm::MpiCommunicator> comm_;
+  comm::CommunicatorPtr comm_;
   int rank_ = 0;
   int n_ = 1;
 };

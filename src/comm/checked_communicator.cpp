@@ -1,10 +1,13 @@
 #include "tessera/comm/checked_communicator.h"
 
+#include "op_checks.h"
 #include "tessera/core/dtype.h"
 #include "tessera/core/error.h"
 
 #include <ATen/ATen.h>
 
+#include <exception>
+#include <functional>
 #include <map>
 
 namespace tessera {
@@ -12,8 +15,8 @@ namespace comm {
 namespace {
 
 constexpr int kMaxDims = 8;
-// op, dtype, root, reduce op, input numel, output numel, ndim, dims[kMaxDims]
-constexpr int kFixedFields = 7 + kMaxDims;
+// op, dtype, root, reduce op, input numel, output numel, ndim, valid, dims[kMaxDims]
+constexpr int kFixedFields = 8 + kMaxDims;
 
 std::vector<int64_t> shape_of(const at::Tensor& t) { return t.defined() ? t.sizes().vec() : std::vector<int64_t>{}; }
 
@@ -29,6 +32,7 @@ struct CheckedCommunicator::Call {
   int64_t output_numel = 0;
   std::vector<int64_t> shape;   // for messages
   std::vector<int64_t> splits;  // all_to_all: input splits then output splits
+  int64_t valid = 1;            // 0 when this rank's own arguments were rejected
 
   std::vector<int64_t> encode() const {
     std::vector<int64_t> v(kFixedFields, -1);
@@ -39,7 +43,8 @@ struct CheckedCommunicator::Call {
     v[4] = input_numel;
     v[5] = output_numel;
     v[6] = static_cast<int64_t>(shape.size());
-    for (size_t i = 0; i < shape.size() && i < kMaxDims; ++i) v[7 + i] = shape[i];
+    v[7] = valid;
+    for (size_t i = 0; i < shape.size() && i < kMaxDims; ++i) v[8 + i] = shape[i];
     v.insert(v.end(), splits.begin(), splits.end());
     return v;
   }
@@ -52,7 +57,8 @@ struct CheckedCommunicator::Call {
     c.reduce_op = v[3];
     c.input_numel = v[4];
     c.output_numel = v[5];
-    for (int64_t i = 0; i < v[6] && i < kMaxDims; ++i) c.shape.push_back(v[7 + i]);
+    c.valid = v[7];
+    for (int64_t i = 0; i < v[6] && i < kMaxDims; ++i) c.shape.push_back(v[8 + i]);
     c.splits.assign(v + kFixedFields, v + kFixedFields + splits);
     return c;
   }
@@ -76,8 +82,21 @@ CheckedCommunicator::CheckedCommunicator(CommunicatorPtr inner, c10::Device chec
   TORCH_CHECK(inner_ != nullptr, "CheckedCommunicator needs a communicator to wrap");
 }
 
-void CheckedCommunicator::check_collective(const Call& call) {
+// Note [Checked argument errors]
+// A call whose arguments are wrong on some ranks only would leave the others
+// waiting in the collective. So each rank validates its own arguments first
+// (with the checks the backends use, op_checks.h), and the outcome travels in
+// the descriptor: the ranks that rejected their arguments throw their own
+// error, the others throw one naming those ranks.
+void CheckedCommunicator::check_collective(Call call, const std::function<void()>& validate) {
   const int n = size();
+  std::exception_ptr local_error;
+  try {
+    validate();
+  } catch (const c10::Error&) {
+    local_error = std::current_exception();
+    call.valid = 0;
+  }
   // all_to_all always carries 2n split entries so every rank's record has the same length.
   const int64_t splits = call.op == OpType::kAllToAll ? 2 * n : 0;
   std::vector<int64_t> mine = call.encode();
@@ -90,6 +109,14 @@ void CheckedCommunicator::check_collective(const Call& call) {
   const int64_t* data = host.data_ptr<int64_t>();
   std::vector<Call> calls;
   for (int r = 0; r < n; ++r) calls.push_back(Call::decode(data + r * mine.size(), splits));
+
+  if (local_error) std::rethrow_exception(local_error);
+  std::vector<int> rejected;
+  for (int r = 0; r < n; ++r) {
+    if (!calls[r].valid) rejected.push_back(r);
+  }
+  TORCH_CHECK(rejected.empty(), op_type_name(call.op), " on communicator '", name(), "' abandoned: rank(s) ",
+              join_list(rejected), " rejected their arguments (the error on those ranks says why)");
 
   std::vector<int> differing;
   for (int r = 1; r < n; ++r) {
@@ -137,7 +164,8 @@ WorkPtr CheckedCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptio
                     tensor.numel(),
                     tensor.numel(),
                     shape_of(tensor),
-                    {}});
+                    {}},
+                   [&] { validate_all_reduce(*this, tensor, options.op); });
   return inner_->all_reduce(tensor, options);
 }
 
@@ -149,7 +177,8 @@ WorkPtr CheckedCommunicator::broadcast(at::Tensor& tensor, const BroadcastOption
                     tensor.numel(),
                     tensor.numel(),
                     shape_of(tensor),
-                    {}});
+                    {}},
+                   [&] { validate_broadcast(*this, tensor, options.root); });
   return inner_->broadcast(tensor, options);
 }
 
@@ -161,13 +190,15 @@ WorkPtr CheckedCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& opt
                     tensor.numel(),
                     tensor.numel(),
                     shape_of(tensor),
-                    {}});
+                    {}},
+                   [&] { validate_reduce(*this, tensor, options.root, options.op); });
   return inner_->reduce(tensor, options);
 }
 
 WorkPtr CheckedCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
   check_collective(
-      {OpType::kAllGather, input.scalar_type(), -1, -1, input.numel(), output.numel(), shape_of(input), {}});
+      {OpType::kAllGather, input.scalar_type(), -1, -1, input.numel(), output.numel(), shape_of(input), {}},
+      [&] { validate_all_gather(*this, output, input); });
   return inner_->all_gather(output, input, options);
 }
 
@@ -180,44 +211,85 @@ WorkPtr CheckedCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor
                     input.numel(),
                     output.numel(),
                     shape_of(input),
-                    {}});
+                    {}},
+                   [&] { validate_reduce_scatter(*this, output, input, options.op); });
   return inner_->reduce_scatter(output, input, options);
 }
 
 WorkPtr CheckedCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   // With uneven splits the sizes legitimately differ per rank; the split
-  // cross-check above replaces the numel comparison.
+  // cross-check replaces the numel comparison.
   const bool equal = options.input_split_sizes.empty() && options.output_split_sizes.empty();
   const int64_t row = input.dim() > 0 && input.size(0) > 0 ? input.numel() / input.size(0) : 0;
   check_collective({OpType::kAllToAll, input.scalar_type(), -1, -1, equal ? input.numel() : row, output.numel(),
-                    shape_of(input), all_to_all_splits(options, size())});
+                    shape_of(input), all_to_all_splits(options, size())},
+                   [&] { validate_all_to_all(*this, output, input, options); });
   return inner_->all_to_all(output, input, options);
 }
 
+namespace {
+
+// Note [Checked point-to-point]
+// The descriptor travels ahead of the payload on the same tag; MPI and NCCL
+// keep the order of messages between one pair of ranks, so the receiver's
+// first posted receive gets it. Both sides post the descriptor and the payload
+// without blocking, so an asynchronous recv stays asynchronous (a ring of
+// "recv async, then send" must not deadlock); the receiver checks the
+// descriptor in wait(), before it waits for the payload.
+class CheckedP2PWork : public Work {
+ public:
+  CheckedP2PWork(WorkPtr descriptor, WorkPtr payload, std::function<void()> check)
+      : descriptor_(std::move(descriptor)), payload_(std::move(payload)), check_(std::move(check)) {}
+
+  void wait() override {
+    descriptor_->wait();
+    if (check_) {
+      auto check = std::move(check_);
+      check_ = nullptr;
+      check();
+    }
+    payload_->wait();
+  }
+
+  bool is_completed() override { return descriptor_->is_completed() && !check_ && payload_->is_completed(); }
+
+ private:
+  WorkPtr descriptor_;
+  WorkPtr payload_;
+  std::function<void()> check_;
+};
+
+}  // namespace
+
 WorkPtr CheckedCommunicator::send(const at::Tensor& tensor, int dst, const SendOptions& options) {
-  // The descriptor travels first on the same tag; MPI and NCCL keep the order
-  // of messages between one pair of ranks, so the receiver reads it first.
   Call call{OpType::kSend, tensor.scalar_type(), -1, -1, tensor.numel(), tensor.numel(), shape_of(tensor), {}};
   at::Tensor desc = at::tensor(call.encode(), at::TensorOptions().dtype(at::kLong)).to(check_device_);
-  inner_->send(desc, dst, SendOptions{options.tag, false});
-  return inner_->send(tensor, dst, options);
+  WorkPtr sent = inner_->send(desc, dst, SendOptions{options.tag, true});
+  auto work =
+      std::make_shared<CheckedP2PWork>(sent, inner_->send(tensor, dst, SendOptions{options.tag, true}), nullptr);
+  if (!options.async) work->wait();
+  return work;
 }
 
 WorkPtr CheckedCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
   at::Tensor desc = at::empty({kFixedFields}, at::TensorOptions().dtype(at::kLong).device(check_device_));
-  inner_->recv(desc, src, RecvOptions{options.tag, false});
-  at::Tensor host = desc.to(at::kCPU);
-  Call theirs = Call::decode(host.data_ptr<int64_t>(), 0);
-  TORCH_CHECK(
-      theirs.op == OpType::kSend && theirs.dtype == tensor.scalar_type() && theirs.input_numel == tensor.numel(),
-      "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(), " to rank ",
-      rank(), ", which calls recv(", dtype_name(tensor.scalar_type()), ", shape ", join_list(shape_of(tensor)),
-      ") from it");
-  return inner_->recv(tensor, src, options);
+  WorkPtr described = inner_->recv(desc, src, RecvOptions{options.tag, true});
+  WorkPtr payload = inner_->recv(tensor, src, RecvOptions{options.tag, true});
+  auto check = [this, desc, src, dtype = tensor.scalar_type(), numel = tensor.numel(), shape = shape_of(tensor)] {
+    at::Tensor host = desc.to(at::kCPU);
+    Call theirs = Call::decode(host.data_ptr<int64_t>(), 0);
+    TORCH_CHECK(theirs.op == OpType::kSend && theirs.dtype == dtype && theirs.input_numel == numel,
+                "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(),
+                " to rank ", rank(), ", which calls recv(", dtype_name(dtype), ", shape ", join_list(shape),
+                ") from it");
+  };
+  auto work = std::make_shared<CheckedP2PWork>(described, payload, check);
+  if (!options.async) work->wait();
+  return work;
 }
 
 WorkPtr CheckedCommunicator::barrier(const BarrierOptions& options) {
-  check_collective({OpType::kBarrier, c10::kFloat, -1, -1, 0, 0, {}, {}});
+  check_collective({OpType::kBarrier, c10::kFloat, -1, -1, 0, 0, {}, {}}, [] {});
   return inner_->barrier(options);
 }
 

@@ -156,8 +156,7 @@ MpiCommunicator::~MpiCommunicator() {
 
 WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   const OpType op = OpType::kAllReduce;
-  check_tensor(*this, op, tensor, "input");
-  check_reduce_op(*this, op, options.op, tensor.scalar_type());
+  validate_all_reduce(*this, tensor, options.op);
   const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
@@ -178,8 +177,7 @@ WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& 
 
 WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
   const OpType op = OpType::kBroadcast;
-  check_tensor(*this, op, tensor, "input");
-  check_rank(*this, op, "root", options.root, true);
+  validate_broadcast(*this, tensor, options.root);
   const Staged buf(tensor, cuda_aware_, rank_ == options.root);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
@@ -193,9 +191,7 @@ WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& o
 
 WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
   const OpType op = OpType::kReduce;
-  check_tensor(*this, op, tensor, "input");
-  check_rank(*this, op, "root", options.root, true);
-  check_reduce_op(*this, op, options.op, tensor.scalar_type());
+  validate_reduce(*this, tensor, options.root, options.op);
   const bool is_root = rank_ == options.root;
   const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
@@ -220,11 +216,7 @@ WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options
 
 WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
   const OpType op = OpType::kAllGather;
-  check_tensor(*this, op, input, "input");
-  check_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  check_numel(*this, op, "output", output.numel(), input.numel() * size_,
-              "all_gather output must hold size() x input elements");
+  validate_all_gather(*this, output, input);
   const int count = to_int_count(*this, op, input.numel());
   MPI_Datatype type = types_->datatype(input.scalar_type());
   // An input that already sits at this rank's place in the output (as ZeRO's
@@ -245,12 +237,7 @@ WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
 WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                         const ReduceScatterOptions& options) {
   const OpType op = OpType::kReduceScatter;
-  check_tensor(*this, op, input, "input");
-  check_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  check_reduce_op(*this, op, options.op, input.scalar_type());
-  check_numel(*this, op, "input", input.numel(), output.numel() * size_,
-              "reduce_scatter input must hold size() x output elements");
+  validate_reduce_scatter(*this, output, input, options.op);
   const int count = to_int_count(*this, op, output.numel());
   MPI_Datatype type = types_->datatype(input.scalar_type());
   MPI_Op mpi_op = types_->op(options.op, input.scalar_type());
@@ -272,10 +259,7 @@ WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& in
 
 WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   const OpType op = OpType::kAllToAll;
-  check_tensor(*this, op, input, "input");
-  check_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  const AllToAllLayout layout = all_to_all_layout(*this, output, input, options);
+  const AllToAllLayout layout = validate_all_to_all(*this, output, input, options);
   MPI_Datatype type = types_->datatype(input.scalar_type());
   const Staged out(output, cuda_aware_, false);
   const Staged in(input, cuda_aware_, true);

@@ -187,8 +187,8 @@ NcclCommunicator::~NcclCommunicator() = default;
 
 WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   const OpType op = OpType::kAllReduce;
+  validate_all_reduce(*this, tensor, options.op);
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
-  check_reduce_op(*this, op, options.op, tensor.scalar_type());
   const NcclReduction reduction = to_nccl_reduction(options.op, tensor.scalar_type());
   const int size = size_;
   return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
@@ -200,8 +200,8 @@ WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions&
 
 WorkPtr NcclCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
   const OpType op = OpType::kBroadcast;
+  validate_broadcast(*this, tensor, options.root);
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
-  check_rank(*this, op, "root", options.root, true);
   return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(ncclBroadcast(data(tensor), data(tensor), count(tensor), type, options.root, comm, s));
@@ -210,9 +210,8 @@ WorkPtr NcclCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& 
 
 WorkPtr NcclCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
   const OpType op = OpType::kReduce;
+  validate_reduce(*this, tensor, options.root, options.op);
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
-  check_rank(*this, op, "root", options.root, true);
-  check_reduce_op(*this, op, options.op, tensor.scalar_type());
   const NcclReduction reduction = to_nccl_reduction(options.op, tensor.scalar_type());
   const bool is_root = rank_ == options.root;
   const int size = size_;
@@ -228,11 +227,9 @@ WorkPtr NcclCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& option
 
 WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
   const OpType op = OpType::kAllGather;
+  validate_all_gather(*this, output, input);
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  check_numel(*this, op, "output", output.numel(), input.numel() * size_,
-              "all_gather output must hold size() x input elements");
   // NCCL handles the in-place case (input at this rank's offset in output).
   return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(input) == 0) return;
@@ -243,12 +240,9 @@ WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input
 WorkPtr NcclCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                          const ReduceScatterOptions& options) {
   const OpType op = OpType::kReduceScatter;
+  validate_reduce_scatter(*this, output, input, options.op);
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  check_reduce_op(*this, op, options.op, input.scalar_type());
-  check_numel(*this, op, "input", input.numel(), output.numel() * size_,
-              "reduce_scatter input must hold size() x output elements");
   const NcclReduction reduction = to_nccl_reduction(options.op, input.scalar_type());
   const int size = size_;
   return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
@@ -260,10 +254,9 @@ WorkPtr NcclCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& i
 
 WorkPtr NcclCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   const OpType op = OpType::kAllToAll;
+  const AllToAllLayout layout = validate_all_to_all(*this, output, input, options);
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
-  check_same_dtype(*this, op, output, input);
-  const AllToAllLayout layout = all_to_all_layout(*this, output, input, options);
   const size_t item = c10::elementSize(input.scalar_type());
   char* send_base = static_cast<char*>(data(input));
   char* recv_base = static_cast<char*>(data(output));

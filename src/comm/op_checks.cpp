@@ -106,5 +106,50 @@ AllToAllLayout all_to_all_layout(const Communicator& comm, const at::Tensor& out
   return layout;
 }
 
+void validate_all_reduce(const Communicator& comm, const at::Tensor& tensor, ReduceOp op) {
+  check_tensor(comm, OpType::kAllReduce, tensor, "input");
+  check_reduce_op(comm, OpType::kAllReduce, op, tensor.scalar_type());
+}
+
+void validate_broadcast(const Communicator& comm, const at::Tensor& tensor, int root) {
+  check_tensor(comm, OpType::kBroadcast, tensor, "input");
+  check_rank(comm, OpType::kBroadcast, "root", root, true);
+}
+
+void validate_reduce(const Communicator& comm, const at::Tensor& tensor, int root, ReduceOp op) {
+  check_tensor(comm, OpType::kReduce, tensor, "input");
+  check_rank(comm, OpType::kReduce, "root", root, true);
+  check_reduce_op(comm, OpType::kReduce, op, tensor.scalar_type());
+}
+
+void validate_all_gather(const Communicator& comm, const at::Tensor& output, const at::Tensor& input) {
+  const OpType op = OpType::kAllGather;
+  check_tensor(comm, op, input, "input");
+  check_tensor(comm, op, output, "output");
+  check_same_dtype(comm, op, output, input);
+  check_numel(comm, op, "output", output.numel(), input.numel() * comm.size(),
+              "all_gather output must hold size() x input elements");
+}
+
+void validate_reduce_scatter(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp reduce) {
+  const OpType op = OpType::kReduceScatter;
+  check_tensor(comm, op, input, "input");
+  check_tensor(comm, op, output, "output");
+  check_same_dtype(comm, op, output, input);
+  check_reduce_op(comm, op, reduce, input.scalar_type());
+  check_numel(comm, op, "input", input.numel(), output.numel() * comm.size(),
+              "reduce_scatter input must hold size() x output elements");
+}
+
+AllToAllLayout validate_all_to_all(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
+                                   const AllToAllOptions& options) {
+  const OpType op = OpType::kAllToAll;
+  check_tensor(comm, op, input, "input");
+  check_tensor(comm, op, output, "output");
+  check_same_dtype(comm, op, output, input);
+  return all_to_all_layout(comm, output, input, options);
+}
+
 }  // namespace comm
 }  // namespace tessera

@@ -31,5 +31,16 @@ struct AllToAllLayout {
 AllToAllLayout all_to_all_layout(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
                                  const AllToAllOptions& options);
 
+// Every local check of one collective's arguments, in one place for the
+// backends and the checked decorator.
+void validate_all_reduce(const Communicator& comm, const at::Tensor& tensor, ReduceOp op);
+void validate_broadcast(const Communicator& comm, const at::Tensor& tensor, int root);
+void validate_reduce(const Communicator& comm, const at::Tensor& tensor, int root, ReduceOp op);
+void validate_all_gather(const Communicator& comm, const at::Tensor& output, const at::Tensor& input);
+void validate_reduce_scatter(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op);
+AllToAllLayout validate_all_to_all(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
+                                   const AllToAllOptions& options);
+
 }  // namespace comm
 }  // namespace tessera

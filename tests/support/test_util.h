@@ -1,6 +1,6 @@
 #pragma once
 // Helpers shared by the multi-rank tests.
-#include "tessera/comm/mpi_communicator.h"
+#include "tessera/comm/factory.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -12,9 +12,11 @@
 namespace tessera {
 namespace test {
 
-// The world communicator of the test process, created on first use.
-inline std::shared_ptr<comm::MpiCommunicator> world() {
-  static std::shared_ptr<comm::MpiCommunicator> w = comm::MpiCommunicator::world();
+// The world communicator of the test process (MPI backend), created on first
+// use through the factory, so TESSERA_CHECK_COLLECTIVES=1 runs a test in
+// checked mode.
+inline comm::CommunicatorPtr world() {
+  static comm::CommunicatorPtr w = comm::make_world_communicator();
   return w;
 }
 

@@ -13,6 +13,8 @@
 
 #include <c10/core/Device.h>
 
+#include <functional>
+
 namespace tessera {
 namespace comm {
 
@@ -43,7 +45,9 @@ class CheckedCommunicator : public Communicator {
 
  private:
   struct Call;
-  void check_collective(const Call& call);
+  // Validates this rank's arguments, exchanges descriptors, throws on any
+  // disagreement (Note [Checked argument errors]).
+  void check_collective(Call call, const std::function<void()>& validate);
 
   CommunicatorPtr inner_;
   c10::Device check_device_;
