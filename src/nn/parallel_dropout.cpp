@@ -1,0 +1,44 @@
+#include "tessera/nn/parallel_dropout.h"
+
+#include <ATen/ATen.h>
+
+namespace tessera {
+namespace nn {
+
+ParallelDropoutImpl::ParallelDropoutImpl(const ParallelDropoutOptions& options_) : options(options_) {
+  TORCH_CHECK(options.p() >= 0.0 && options.p() < 1.0, "ParallelDropout: p must be in [0, 1), got ", options.p());
+  reset();
+}
+
+void ParallelDropoutImpl::reset() { generators_.clear(); }
+
+at::Generator& ParallelDropoutImpl::generator_for(const c10::Device& device) {
+  const std::string key = device.str();
+  auto it = generators_.find(key);
+  if (it == generators_.end()) {
+    // A private copy of the device's default generator type, reseeded: the
+    // program's global random stream is left untouched.
+    at::Generator gen = at::globalContext().defaultGenerator(device).clone();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_current_seed(options.seed());
+    }
+    it = generators_.emplace(key, gen).first;
+  }
+  return it->second;
+}
+
+at::Tensor ParallelDropoutImpl::forward(const at::Tensor& input) {
+  if (!is_training() || options.p() == 0.0) return input;
+  const double keep = 1.0 - options.p();
+  at::Tensor mask = at::empty_like(input, input.options().requires_grad(false));
+  mask.bernoulli_(keep, generator_for(input.device()));
+  return input * mask.div_(keep);
+}
+
+void ParallelDropoutImpl::pretty_print(std::ostream& stream) const {
+  stream << "tessera::nn::ParallelDropout(p=" << options.p() << ", seed=" << options.seed() << ")";
+}
+
+}  // namespace nn
+}  // namespace tessera
