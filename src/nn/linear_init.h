@@ -3,6 +3,7 @@
 // torch::nn::Linear::reset_parameters draws them (same generator calls in the
 // same order), so a parallel layer sharding them equals the serial layer.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/init.h>
 
 #include <cmath>

@@ -5,6 +5,7 @@
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 namespace tessera {
 namespace nn {

@@ -3,6 +3,7 @@
 #include "tessera/comm/functional.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 namespace tessera {
 namespace nn {

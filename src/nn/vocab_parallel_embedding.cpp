@@ -4,6 +4,7 @@
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <limits>
 
