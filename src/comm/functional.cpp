@@ -196,25 +196,32 @@ struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
 }  // namespace
 
 at::Tensor copy_to_group(const at::Tensor& input, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;  // a size-1 group adds no autograd node
   return CopyToGroup::apply(input, comm);
 }
 at::Tensor reduce_from_group(const at::Tensor& input, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return ReduceFromGroup::apply(input, comm);
 }
 at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return SplitAlongDim::apply(input, dim, comm);
 }
 at::Tensor gather_along_dim(const at::Tensor& input, int64_t dim, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return GatherAlongDim::apply(input, dim, comm);
 }
 at::Tensor all_gather_along_dim(const at::Tensor& input, int64_t dim, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return AllGatherAlongDim::apply(input, dim, comm);
 }
 at::Tensor reduce_scatter_along_dim(const at::Tensor& input, int64_t dim, const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return ReduceScatterAlongDim::apply(input, dim, comm);
 }
 at::Tensor all_to_all_along_dims(const at::Tensor& input, int64_t scatter_dim, int64_t gather_dim,
                                  const CommunicatorPtr& comm) {
+  if (comm && comm->size() == 1) return input;
   return AllToAllAlongDims::apply(input, scatter_dim, gather_dim, comm);
 }
 

@@ -1,0 +1,147 @@
+// gpt_step: time of one training step (forward, loss, backward, AdamW) of
+// tessera's GPT at tensor size = the number of ranks, 1D and its
+// sequence-parallel variant, against a plain LibTorch GPT of the same shape
+// (bench/baseline_gpt.h) timed in the same run on every rank. Prints one JSON
+// object per configuration.
+//
+//   mpirun -np N gpt_step [--layers 4] [--hidden 256] [--heads 8] [--seq 128]
+//       [--batch 8] [--vocab 8192] [--steps 4] [--warmup 2] [--rounds 3]
+#include "baseline_gpt.h"
+
+#include <tessera/models/gpt.h>
+#include <tessera/tessera.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace {
+
+struct Args {
+  int64_t layers = 4, hidden = 256, heads = 8, seq = 128, batch = 8, vocab = 8192;
+  int steps = 4, warmup = 2, rounds = 3;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string f = argv[i];
+    const int64_t v = std::stoll(argv[i + 1]);
+    if (f == "--layers")
+      a.layers = v;
+    else if (f == "--hidden")
+      a.hidden = v;
+    else if (f == "--heads")
+      a.heads = v;
+    else if (f == "--seq")
+      a.seq = v;
+    else if (f == "--batch")
+      a.batch = v;
+    else if (f == "--vocab")
+      a.vocab = v;
+    else if (f == "--steps")
+      a.steps = static_cast<int>(v);
+    else if (f == "--warmup")
+      a.warmup = static_cast<int>(v);
+    else if (f == "--rounds")
+      a.rounds = static_cast<int>(v);
+    else
+      TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/gpt_step.cpp");
+  }
+  return a;
+}
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Milliseconds per call of `step`, the slowest rank's, median over rounds.
+double time_ms(const std::function<void()>& step, const Args& a, MPI_Comm comm) {
+  for (int i = 0; i < a.warmup; ++i) step();
+  std::vector<double> rounds;
+  for (int r = 0; r < a.rounds; ++r) {
+    MPI_Barrier(comm);
+    const double start = now_ms();
+    for (int i = 0; i < a.steps; ++i) step();
+    double mine = (now_ms() - start) / a.steps, worst = 0;
+    MPI_Allreduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, comm);
+    rounds.push_back(worst);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  return rounds[rounds.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessera::comm::MpiRuntime mpi(&argc, &argv);
+  tessera::limit_threads(1);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  try {
+    const Args a = parse(argc, argv);
+    auto world = tessera::comm::make_world_communicator();
+    const int n = world->size();
+    tessera::models::GPTConfig config;
+    config.vocab = a.vocab;
+    config.context = a.seq;
+    config.layers = a.layers;
+    config.heads = a.heads;
+    config.hidden = a.hidden;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+    torch::Tensor ids = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong);
+    torch::Tensor targets = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong);
+
+    for (bool sp : {false, true}) {
+      if (sp && n == 1) continue;  // the variant is the same model at size 1
+      torch::manual_seed(0);
+      tessera::models::GPT gpt(config, tessera::nn::make_1d_factory(world, sp, 1, 2));
+      torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
+      double tessera_loss = 0;
+      auto tessera_step = [&] {
+        opt.zero_grad();
+        at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
+        loss.backward();
+        gpt->reduce_partial_gradients();
+        opt.step();
+        tessera_loss = loss.item<double>();
+      };
+      baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
+      base->load(gpt->full_state());
+      const double base_first = base->loss(ids, targets).item<double>();
+      const double first = gpt->loss(gpt->forward(ids), targets).item<double>();
+      torch::optim::AdamW base_opt(base->parameters(), torch::optim::AdamWOptions(1e-4));
+      auto base_step = [&] {
+        base_opt.zero_grad();
+        torch::Tensor loss = base->loss(ids, targets);
+        loss.backward();
+        base_opt.step();
+      };
+      // Alternate so that neither profits from running second.
+      std::vector<double> ours, theirs;
+      for (int r = 0; r < 2; ++r) {
+        ours.push_back(time_ms(tessera_step, a, MPI_COMM_WORLD));
+        theirs.push_back(time_ms(base_step, a, MPI_COMM_WORLD));
+      }
+      const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
+      if (rank == 0) {
+        fmt::print(
+            "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"sp_variant\": {}, \"step_ms\": {:.3f}, "
+            "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
+            "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}}}\n",
+            a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, sp ? "true" : "false", step_ms,
+            a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first);
+        std::fflush(stdout);
+      }
+      (void)tessera_loss;
+    }
+  } catch (const c10::Error& e) {
+    if (rank == 0) fmt::print(stderr, "gpt_step: error: {}\n", e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}

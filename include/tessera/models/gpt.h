@@ -1,0 +1,86 @@
+#pragma once
+// A GPT-2-style language model written once against nn::LayerFactory: token
+// and position embeddings, N pre-LayerNorm blocks of causal multi-head
+// self-attention (heads split across tensor ranks) and a 4h GELU MLP, final
+// LayerNorm, an LM head tied to the token embedding by option, and the loss.
+// With a factory over a size-1 group it is the serial model.
+//
+// Note [GPT full weights]
+// full_state() / load_full_state() use GPT-2's names ("wte.weight",
+// "h.0.attn.c_attn.weight", ...) with unsharded shapes. One layout differs
+// from Hugging Face's checkpoint: c_attn's [3h, h] rows are grouped per head
+// (head 0's q, k, v rows, then head 1's, ...), so that contiguous row shards
+// give each tensor rank whole heads; Linear weights are [out, in] as in
+// torch::nn::Linear (Hugging Face's Conv1D stores them transposed).
+#include "tessera/nn/layer_factory.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace models {
+
+struct GPTConfig {
+  int64_t vocab = 50257;
+  int64_t context = 1024;
+  int64_t layers = 12;
+  int64_t heads = 12;
+  int64_t hidden = 768;
+  double dropout = 0.0;
+  bool tied = true;
+
+  // "tiny" (tests), "small" (GPT-2 124M), "medium" (GPT-2 350M).
+  static GPTConfig preset(const std::string& name);
+};
+
+class GPTBlockImpl;
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> factory);
+
+  // ids [b, s] (full, s <= context) -> logits on this rank's vocabulary
+  // shard, [b, s, vocab shard] (full sequence in every mode's 1D variant).
+  at::Tensor forward(const at::Tensor& ids);
+  // Mean cross entropy of the logits against targets [b, s].
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets);
+  // After backward: sums gradients that are partial in this mode.
+  void reduce_partial_gradients();
+
+  // GPT-2's initialisation: weights and embeddings N(0, 0.02), the residual
+  // projections N(0, 0.02 / sqrt(2 · layers)), biases 0, LayerNorm 1 and 0;
+  // drawn full from the default generator and sharded, so that with the same
+  // seed on every rank the model equals the serial one. The constructor calls it.
+  void reset_parameters();
+  void load_full_state(const std::map<std::string, at::Tensor>& state);
+  // Full parameters (or, with gradients = true, full gradients); collective.
+  std::map<std::string, at::Tensor> full_state(bool gradients = false);
+
+  const GPTConfig& config() const { return config_; }
+  const std::shared_ptr<nn::LayerFactory>& factory() const { return factory_; }
+
+ private:
+  // Every factory-made layer with the name prefix of its full weights.
+  struct Named {
+    std::string prefix;
+    torch::nn::AnyModule* layer;
+    bool has_bias;
+  };
+  std::vector<Named> named_layers();
+
+  GPTConfig config_;
+  std::shared_ptr<nn::LayerFactory> factory_;
+  torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;
+  std::vector<std::shared_ptr<GPTBlockImpl>> blocks_;
+};
+
+TORCH_MODULE(GPT);
+
+}  // namespace models
+}  // namespace tessera
