@@ -161,6 +161,21 @@ TEST(GPTCommunication, MatchesTheAnalyticalCount) {
   }
 }
 
+TEST(LayerFactory1D, ActivationLayoutsRoundTrip) {
+  auto tp = test::world();
+  const int r = tp->rank(), n = tp->size();
+  at::Tensor full = at::arange(kBatch * 4 * n * 3, at::kFloat).reshape({kBatch, 4 * n, 3});
+  for (bool sp : {false, true}) {
+    auto f = factory(tp, sp);
+    EXPECT_EQ(f->mode(), sp ? "1d-sp" : "1d");
+    at::Tensor local = f->scatter_activation(full);
+    EXPECT_TRUE(at::equal(local, sp ? full.chunk(n, 1)[r] : full));
+    EXPECT_TRUE(at::equal(f->gather_activation(local), full));
+    EXPECT_TRUE(
+        at::equal(f->positions(4 * n), sp ? at::arange(4 * r, 4 * r + 4, at::kLong) : at::arange(4 * n, at::kLong)));
+  }
+}
+
 TEST(GPTConfig, PresetsAndErrors) {
   EXPECT_EQ(models::GPTConfig::preset("small").hidden, 768);
   EXPECT_EQ(models::GPTConfig::preset("medium").layers, 24);
