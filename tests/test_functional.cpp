@@ -27,10 +27,7 @@ struct Layout {
   bool loss_replicated;
 };
 
-at::Tensor seeded(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble));
-}
+at::Tensor seeded(at::IntArrayRef shape, uint64_t seed) { return test::seeded_randn(shape, seed, at::kDouble); }
 
 void check_gradient(const Fn& fn, at::IntArrayRef input_shape, at::IntArrayRef output_shape, Layout layout) {
   auto world = test::world();

@@ -17,10 +17,7 @@ namespace {
 constexpr double kRelTolerance = 1e-5;  // fp32, relative to the norm of the serial tensor
 constexpr int64_t kBatch = 2, kSeq = 16;
 
-double rel_error(const at::Tensor& actual, const at::Tensor& expected) {
-  const double denom = std::max(expected.norm().item<double>(), 1e-12);
-  return (actual - expected).norm().item<double>() / denom;
-}
+using test::rel_error;
 
 models::GPTConfig tiny() { return models::GPTConfig::preset("tiny"); }
 

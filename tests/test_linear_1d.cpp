@@ -19,19 +19,9 @@ namespace {
 // fp32, relative to the norm of the expected tensor.
 constexpr double kRelTolerance = 1e-5;
 
-double rel_error(const at::Tensor& actual, const at::Tensor& expected) {
-  const double denom = std::max(expected.norm().item<double>(), 1e-12);
-  return (actual - expected).norm().item<double>() / denom;
-}
+using test::rel_error;
 
-#define EXPECT_CLOSE(actual, expected) \
-  EXPECT_LE(rel_error((actual), (expected)), kRelTolerance) << #actual " vs " #expected
-
-// Identical on every rank: every rank seeds its own generator alike.
-at::Tensor seeded(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
-}
+#define EXPECT_CLOSE(actual, expected) EXPECT_REL_CLOSE(actual, expected, kRelTolerance)
 
 constexpr int64_t kBatch = 2, kSeq = 12, kHidden = 12, kFfn = 24;  // divisible by 1, 2, 3, 4
 
@@ -56,8 +46,9 @@ Serial serial_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tenso
 TEST(ColumnParallelLinear, MatchesSerialWithShardedOutput) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = seeded({kBatch, kSeq, kHidden}, 1), w = seeded({kFfn, kHidden}, 2), b = seeded({kFfn}, 3);
-  at::Tensor dy = seeded({kBatch, kSeq, kFfn}, 4);
+  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 1), w = test::seeded_randn({kFfn, kHidden}, 2),
+             b = test::seeded_randn({kFfn}, 3);
+  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kFfn}, 4);
   Serial s = serial_linear(x, w, b, dy);
 
   nn::ColumnParallelLinear layer(nn::ColumnParallelLinearOptions(kHidden, kFfn), tp);
@@ -73,8 +64,9 @@ TEST(ColumnParallelLinear, MatchesSerialWithShardedOutput) {
 
 TEST(ColumnParallelLinear, GatheredOutputIsTheFullOutput) {
   auto tp = test::world();
-  at::Tensor x = seeded({kBatch, kSeq, kHidden}, 5), w = seeded({kFfn, kHidden}, 6), b = seeded({kFfn}, 7);
-  at::Tensor dy = seeded({kBatch, kSeq, kFfn}, 8);
+  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 5), w = test::seeded_randn({kFfn, kHidden}, 6),
+             b = test::seeded_randn({kFfn}, 7);
+  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kFfn}, 8);
   Serial s = serial_linear(x, w, b, dy);
   nn::ColumnParallelLinear layer(nn::ColumnParallelLinearOptions(kHidden, kFfn).gather_output(true), tp);
   layer->load_full(w, b);
@@ -90,8 +82,9 @@ TEST(ColumnParallelLinear, GatheredOutputIsTheFullOutput) {
 TEST(RowParallelLinear, MatchesSerialFromParallelAndFullInput) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = seeded({kBatch, kSeq, kFfn}, 9), w = seeded({kHidden, kFfn}, 10), b = seeded({kHidden}, 11);
-  at::Tensor dy = seeded({kBatch, kSeq, kHidden}, 12);
+  at::Tensor x = test::seeded_randn({kBatch, kSeq, kFfn}, 9), w = test::seeded_randn({kHidden, kFfn}, 10),
+             b = test::seeded_randn({kHidden}, 11);
+  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kHidden}, 12);
   Serial s = serial_linear(x, w, b, dy);
   for (bool input_is_parallel : {true, false}) {
     SCOPED_TRACE(input_is_parallel ? "input_is_parallel" : "full input");
@@ -112,10 +105,10 @@ TEST(RowParallelLinear, MatchesSerialFromParallelAndFullInput) {
 TEST(ParallelMlp, MatchesSerialWithAndWithoutSequenceParallelism) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = seeded({kBatch, kSeq, kHidden}, 13);
-  at::Tensor w1 = seeded({kFfn, kHidden}, 14), b1 = seeded({kFfn}, 15);
-  at::Tensor w2 = seeded({kHidden, kFfn}, 16), b2 = seeded({kHidden}, 17);
-  at::Tensor dy = seeded({kBatch, kSeq, kHidden}, 18);
+  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 13);
+  at::Tensor w1 = test::seeded_randn({kFfn, kHidden}, 14), b1 = test::seeded_randn({kFfn}, 15);
+  at::Tensor w2 = test::seeded_randn({kHidden, kFfn}, 16), b2 = test::seeded_randn({kHidden}, 17);
+  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kHidden}, 18);
 
   at::Tensor sx = x.clone().requires_grad_(true);
   at::Tensor sw1 = w1.clone().requires_grad_(true), sb1 = b1.clone().requires_grad_(true);

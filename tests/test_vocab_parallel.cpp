@@ -30,20 +30,12 @@ constexpr int64_t kBatch = 2, kSeq = 12, kDim = 8;  // kSeq divisible by 1, 2, 3
 constexpr int64_t kDivisibleVocab = 12, kPaddedVocab = 10;
 constexpr int64_t kIgnore = -100;
 
-double rel_error(const at::Tensor& actual, const at::Tensor& expected) {
-  const double denom = std::max(expected.norm().item<double>(), 1e-12);
-  return (actual - expected).norm().item<double>() / denom;
-}
+using test::rel_error;
 
-#define EXPECT_CLOSE(actual, expected) \
-  EXPECT_LE(rel_error((actual), (expected)), kRelTolerance) << #actual " vs " #expected
+#define EXPECT_CLOSE(actual, expected) EXPECT_REL_CLOSE(actual, expected, kRelTolerance)
 
 // Identical on every rank: every rank seeds its own generator alike.
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-at::Tensor seeded(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
-  return at::randn(shape, generator(seed), at::TensorOptions().dtype(dtype));
-}
 
 // Ids in [0, vocab), with both ends of the vocabulary present.
 at::Tensor seeded_ids(int64_t vocab, uint64_t seed) {
@@ -59,9 +51,9 @@ at::Tensor seeded_ids(int64_t vocab, uint64_t seed) {
 void check_embedding(int64_t vocab, bool sequence_parallel) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  const at::Tensor w = seeded({vocab, kDim}, 1);
+  const at::Tensor w = test::seeded_randn({vocab, kDim}, 1);
   const at::Tensor ids = seeded_ids(vocab, 2);
-  const at::Tensor dy = seeded({kBatch, kSeq, kDim}, 3);
+  const at::Tensor dy = test::seeded_randn({kBatch, kSeq, kDim}, 3);
 
   at::Tensor ws = w.clone().requires_grad_(true);
   at::Tensor ys = F::embedding(ids, ws);
@@ -96,7 +88,7 @@ TEST(VocabParallelEmbedding, ShardsThePaddedVocabulary) {
   EXPECT_EQ(emb->vocab_end(), (r + 1) * padded / n);
   EXPECT_EQ(emb->weight.sizes(), (std::vector<int64_t>{padded / n, kDim}));
 
-  const at::Tensor w = seeded({kPaddedVocab, kDim}, 4);
+  const at::Tensor w = test::seeded_randn({kPaddedVocab, kDim}, 4);
   emb->load_full(w);
   EXPECT_TRUE(torch::equal(emb->full_weight(), w));
   const at::Tensor padded_table = nn::unshard(emb->weight, 0, *tp);
@@ -119,7 +111,7 @@ TEST(VocabParallelEmbedding, InitEqualsSerialEmbedding) {
 TEST(VocabParallelEmbedding, CloneKeepsTheShard) {
   auto tp = test::world();
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
-  emb->load_full(seeded({kPaddedVocab, kDim}, 5));
+  emb->load_full(test::seeded_randn({kPaddedVocab, kDim}, 5));
   auto copy = std::dynamic_pointer_cast<nn::VocabParallelEmbeddingImpl>(emb->clone());
   ASSERT_NE(copy, nullptr);
   EXPECT_TRUE(torch::equal(copy->weight, emb->weight));
@@ -141,7 +133,7 @@ TEST(VocabParallelEmbedding, RejectsBadIdsAndShapes) {
   ids[1][3] = -3;
   EXPECT_ERROR_CONTAINS(emb->forward(ids), "token id -3 is out of range");
   EXPECT_ERROR_CONTAINS(emb->forward(ids.to(at::kFloat)), "ids must be int64 or int32");
-  EXPECT_ERROR_CONTAINS(emb->load_full(seeded({12, kDim}, 7)), "[12, 8] given", "[10, 8] expected");
+  EXPECT_ERROR_CONTAINS(emb->load_full(test::seeded_randn({12, kDim}, 7)), "[12, 8] given", "[10, 8] expected");
 }
 
 // ---------------------------------------------------------------------------
@@ -177,11 +169,11 @@ struct CrossEntropyCase {
 void check_cross_entropy(const CrossEntropyCase& c) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  const at::Tensor logits = seeded({kBatch, kSeq, c.vocab}, 11, c.dtype) * c.scale;
+  const at::Tensor logits = test::seeded_randn({kBatch, kSeq, c.vocab}, 11, c.dtype) * c.scale;
   at::Tensor target = seeded_ids(c.vocab, 12);
   target[0][2] = c.ignore_index;
   target[1][5] = c.ignore_index;
-  const at::Tensor dl = seeded({kBatch, kSeq}, 13, c.dtype);  // upstream gradient for kNone
+  const at::Tensor dl = test::seeded_randn({kBatch, kSeq}, 13, c.dtype);  // upstream gradient for kNone
 
   at::Tensor ls = logits.clone().requires_grad_(true);
   at::Tensor loss_s =
@@ -273,8 +265,8 @@ TEST(VocabParallelCrossEntropy, ExtremeLogitsStayFinite) {
 // columns, which the loss ignores, and they get no gradient.
 TEST(VocabParallelCrossEntropy, TiedHeadOnPaddedEmbedding) {
   auto tp = test::world();
-  const at::Tensor w = seeded({kPaddedVocab, kDim}, 21);
-  const at::Tensor hidden = seeded({kBatch, kSeq, kDim}, 22);
+  const at::Tensor w = test::seeded_randn({kPaddedVocab, kDim}, 21);
+  const at::Tensor hidden = test::seeded_randn({kBatch, kSeq, kDim}, 22);
   const at::Tensor target = seeded_ids(kPaddedVocab, 23);
 
   at::Tensor ws = w.clone().requires_grad_(true);
@@ -301,7 +293,7 @@ TEST(VocabParallelCrossEntropy, RejectsBadTargetsAndShapes) {
   auto tp = test::world();
   const int n = tp->size();
   const int64_t padded = nn::pad_to_multiple(kPaddedVocab, n);
-  const at::Tensor shard = seeded({kBatch, kSeq, padded / n}, 31);
+  const at::Tensor shard = test::seeded_randn({kBatch, kSeq, padded / n}, 31);
   auto options = nn::VocabParallelCrossEntropyOptions().vocab_size(kPaddedVocab);
   at::Tensor target = seeded_ids(kPaddedVocab, 32);
   target[1][4] = kPaddedVocab;

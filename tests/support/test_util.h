@@ -5,9 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+
+// EXPECT_REL_CLOSE(actual, expected, tolerance): rel_error within tolerance.
+#define EXPECT_REL_CLOSE(actual, expected, tolerance) \
+  EXPECT_LE(::tessera::test::rel_error((actual), (expected)), (tolerance)) << #actual " vs " #expected
 
 namespace tessera {
 namespace test {
@@ -18,6 +24,20 @@ namespace test {
 inline comm::CommunicatorPtr world() {
   static comm::CommunicatorPtr w = comm::make_world_communicator();
   return w;
+}
+
+// randn from a private generator: the same tensor on every rank that passes
+// the same seed, and the program's global generator is left alone.
+inline at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::TensorOptions().dtype(dtype));
+}
+
+// ||actual - expected|| / ||expected||: the error measure of the
+// serial-equivalence tests.
+inline double rel_error(const at::Tensor& actual, const at::Tensor& expected) {
+  const double denom = std::max(expected.norm().item<double>(), 1e-12);
+  return (actual - expected).norm().item<double>() / denom;
 }
 
 // The message of the c10::Error that `statement` throws, or a marker that
