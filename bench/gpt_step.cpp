@@ -101,14 +101,12 @@ int main(int argc, char** argv) {
       torch::manual_seed(0);
       tessera::models::GPT gpt(config, tessera::nn::make_1d_factory(world, sp, 1, 2));
       torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
-      double tessera_loss = 0;
       auto tessera_step = [&] {
         opt.zero_grad();
         at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
         loss.backward();
         gpt->reduce_partial_gradients();
         opt.step();
-        tessera_loss = loss.item<double>();
       };
       baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
       base->load(gpt->full_state());
@@ -137,7 +135,6 @@ int main(int argc, char** argv) {
             a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first);
         std::fflush(stdout);
       }
-      (void)tessera_loss;
     }
   } catch (const c10::Error& e) {
     if (rank == 0) fmt::print(stderr, "gpt_step: error: {}\n", e.what_without_backtrace());
