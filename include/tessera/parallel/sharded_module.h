@@ -1,0 +1,167 @@
+#pragma once
+// ShardedModule: data parallelism over any torch::nn::Module, with the
+// parameters, gradients and optimizer states placed as a ShardingSpec says
+// (DDP, ZeRO-1/2/3, MiCS/HSDP, hpZ and every mix; docs/data-parallel.md).
+//
+//   auto sharded = std::make_shared<parallel::ShardedModule>(net, ctx,
+//       parallel::ShardedModuleOptions().spec(parallel::ShardingSpec::zero3()));
+//   parallel::ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(
+//       net->parameters(), torch::optim::AdamWOptions(1e-3)));
+//   auto loss = sharded->run([&] { return loss_fn(net->forward(x), y); });
+//   loss.backward();          // gradients reduced in buckets while it runs
+//   opt.step();               // steps the local shard, re-gathers parameters
+//   opt.zero_grad();
+//
+// Note [Units and gathering]
+// LibTorch modules have no forward hooks, so a sharded module cannot notice
+// on its own when a submodule starts. Parameters that must be materialized
+// (sharded, or offloaded to the CPU) are grouped in units: by default the
+// children of a torch::nn::Sequential, otherwise the whole module; or named
+// submodules (options.units). forward() of a Sequential runs unit by unit;
+// for other modules the user's forward calls run_unit(i, fn) around the code
+// that uses unit i, or run(fn) around everything. A unit is gathered before
+// fn, the next unit is prefetched (all-gather in flight while fn computes),
+// and the unit's full parameters are freed when fn returns. An autograd node
+// on fn's output gathers the unit again before its backward and prefetches
+// the unit before it; once every gradient of the unit has accumulated, the
+// unit's full parameters and full gradients are freed after the reduction.
+// Freeing releases the storage (its data pointer and bytes), so the tensors
+// saved for backward stay the same objects and see the re-gathered values.
+//
+// Replicated parameters need no units: their gradients are reduced in
+// buckets of options.bucket_bytes in reverse registration order, as DDP does.
+#include "tessera/comm/communicator.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/parallel/shard_layout.h"
+#include "tessera/parallel/sharding_spec.h"
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace parallel {
+
+class FlatBucket;
+struct ShardState;
+
+struct ShardedModuleOptions {
+  TORCH_ARG(ShardingSpec, spec) = ShardingSpec::ddp();
+  // Bucket size for replicated parameters (bytes of gradient per bucket).
+  TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
+  // Submodule names (as in named_modules()) that form units; empty: the
+  // children of a Sequential, else the whole module (Note [Units and gathering]).
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  // Keep each rank's parameter shard in CPU memory; gathered to the device per unit.
+  TORCH_ARG(bool, offload_params) = false;
+  // Start the all-gather of the next unit before running the current one.
+  TORCH_ARG(bool, prefetch) = true;
+  // Reduce gradients from the backward hooks as buckets fill; false waits for
+  // the end of backward (for measuring what overlap gains).
+  TORCH_ARG(bool, overlap) = true;
+  // Divide reduced gradients by the data size (the mean over the global batch).
+  TORCH_ARG(bool, average) = true;
+  // Broadcast parameters and buffers from data rank 0 at construction.
+  TORCH_ARG(bool, sync_module_states) = true;
+  // The group to shard over; default: the context's data group.
+  TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
+
+ public:
+  ShardedModuleOptions() = default;
+};
+
+// Bytes held by live storages, counted once each.
+struct ModelStateBytes {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optim = 0;  // optimizer states, and fp32 master copies when offloaded
+  int64_t total() const { return params + grads + optim; }
+};
+
+// Where one parameter lives in a bucket: [offset, offset + numel) of the flat.
+struct ParamSlot {
+  std::string name;
+  at::Tensor param;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+};
+
+class ShardedModule {
+ public:
+  // Collective over the data group: every data rank wraps the same module
+  // structure with the same options. The module's parameters keep their
+  // identity (optimizers and user code holding them stay valid) but their
+  // storage moves into flat buffers.
+  ShardedModule(std::shared_ptr<torch::nn::Module> module, context::ParallelContextPtr ctx,
+                ShardedModuleOptions options = {});
+  ~ShardedModule();
+  ShardedModule(const ShardedModule&) = delete;
+  ShardedModule& operator=(const ShardedModule&) = delete;
+
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  const ShardedModuleOptions& options() const { return options_; }
+  const ShardDegrees& degrees() const;
+  const ShardLayout& layout() const;
+  const comm::CommunicatorPtr& group() const { return group_; }
+
+  // Runs fn (which uses unit `unit`'s parameters) as Note [Units and gathering] says.
+  at::Tensor run_unit(size_t unit, const std::function<at::Tensor()>& fn);
+  // Runs fn with every unit gathered; frees them after, gathers for backward.
+  at::Tensor run(const std::function<at::Tensor()>& fn);
+  // The module must be a Sequential: its children run one unit each.
+  at::Tensor forward(const at::Tensor& input);
+  size_t num_units() const;
+
+  // While false, backward accumulates gradients locally (no communication);
+  // the backward after setting it true reduces everything accumulated.
+  void set_gradient_sync(bool sync);
+  bool gradient_sync() const;
+
+  // Waits for the reductions of the last backward (ShardedOptimizer::step calls it).
+  void finish_gradient_sync();
+  // Zeroes the gradients (full and sharded); never sets them to none.
+  void zero_grad();
+  // After an optimizer step on the local optimizer shards: all-gathers them
+  // into the parameter placement.
+  void sync_params_after_step();
+
+  // RAII: every unit gathered while it lives (to read or save full parameters).
+  class FullParams {
+   public:
+    explicit FullParams(ShardedModule& owner);
+    ~FullParams();
+    FullParams(const FullParams&) = delete;
+    FullParams& operator=(const FullParams&) = delete;
+
+   private:
+    ShardedModule& owner_;
+  };
+  std::unique_ptr<FullParams> full_params() { return std::make_unique<FullParams>(*this); }
+
+  // Buckets, in reduction order.
+  size_t num_buckets() const;
+  const FlatBucket& bucket(size_t i) const;
+  FlatBucket& bucket(size_t i);
+  // Padded flat sizes of the buckets (elements), for analytical volumes.
+  std::vector<int64_t> bucket_numels() const;
+  // Parameters, gradients (optimizer states: see ShardedOptimizer::memory()).
+  ModelStateBytes memory() const;
+
+ private:
+  friend struct ShardState;
+  std::shared_ptr<torch::nn::Module> module_;
+  context::ParallelContextPtr ctx_;
+  ShardedModuleOptions options_;
+  comm::CommunicatorPtr group_;
+  std::shared_ptr<ShardState> state_;
+};
+
+using ShardedModulePtr = std::shared_ptr<ShardedModule>;
+
+}  // namespace parallel
+}  // namespace tessera

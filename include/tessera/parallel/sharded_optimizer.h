@@ -1,0 +1,84 @@
+#pragma once
+// ShardedOptimizer: any torch::optim::Optimizer (Adam, AdamW, SGD, ... or
+// tessera's) stepping only this rank's optimizer shard of a ShardedModule.
+//
+// Note [Optimizer pieces]
+// The optimizer is built by the user over the module's parameters, in as
+// many param groups as they like. ShardedOptimizer replaces every parameter
+// of every group by its piece: the part of the parameter that falls in this
+// rank's optimizer chunk of its bucket, a 1-D view into the parameter
+// storage whose .grad is the matching view into the reduced gradient. A
+// parameter outside the chunk has no piece and leaves its group. Per-element
+// optimizers (Adam, AdamW, SGD, RMSprop, Adagrad) then compute exactly the
+// unsharded update, with each group's options kept; optimizer state is
+// created for pieces only, so it takes 1/s_optim of the memory. Optimizers
+// that need whole-parameter norms (LAMB, LARS) must reduce them over the
+// shard group (optim/, issue 6).
+//
+// With offload, the pieces are views into fp32 CPU copies of the chunks
+// (pinned on CUDA machines); reduced gradients are copied to the CPU, the
+// step runs there with `offload_threads` intra-op threads, and the updated
+// chunks are copied back before the parameters are re-gathered.
+#include "tessera/parallel/sharded_module.h"
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+namespace tessera {
+namespace parallel {
+
+struct ShardedOptimizerOptions {
+  TORCH_ARG(bool, offload) = false;
+  TORCH_ARG(int, offload_threads) = 1;
+
+ public:
+  ShardedOptimizerOptions() = default;
+};
+
+class ShardedOptimizer {
+ public:
+  // The optimizer must not have stepped yet (its state would belong to the
+  // full parameters). Every parameter in it must belong to `module`.
+  ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torch::optim::Optimizer> optimizer,
+                   ShardedOptimizerOptions options = {});
+
+  // Waits for the gradient reductions, steps the local pieces, re-gathers
+  // the parameters into their placement.
+  void step();
+  // Zeroes gradients in place (never to none; see LIBTORCH_NOTES).
+  void zero_grad();
+
+  torch::optim::Optimizer& inner() { return *optimizer_; }
+  const ShardedModulePtr& module() const { return module_; }
+  // The pieces this rank steps, with the bucket each comes from.
+  size_t num_pieces() const { return pieces_.size(); }
+
+  // Optimizer states (and offloaded master copies) held by this rank, by
+  // live storage. Knows the states of LibTorch's Adam, AdamW, SGD, RMSprop
+  // and Adagrad; throws for other optimizers.
+  int64_t state_bytes() const;
+  // module()->memory() with optim filled in.
+  ModelStateBytes memory() const;
+
+ private:
+  struct Piece {
+    size_t bucket;
+    at::Tensor param;  // view the optimizer steps
+  };
+  struct Offloaded {
+    at::Tensor master;       // CPU copy of the bucket's optimizer chunk
+    at::Tensor master_grad;  // CPU copy of its gradient
+  };
+
+  ShardedModulePtr module_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  ShardedOptimizerOptions options_;
+  std::vector<Piece> pieces_;
+  std::vector<Offloaded> offloaded_;  // per bucket, when offloading
+};
+
+}  // namespace parallel
+}  // namespace tessera

@@ -1,0 +1,405 @@
+#include "tessera/parallel/sharded_module.h"
+
+#include "tessera/core/error.h"
+#include "tessera/parallel/flat_bucket.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace tessera {
+namespace parallel {
+
+// Everything the autograd hooks reach; they hold it weakly so that a hook
+// outliving its ShardedModule does nothing.
+struct ShardState {
+  std::unique_ptr<ShardLayout> layout;
+  std::vector<std::unique_ptr<FlatBucket>> buckets;  // in reduction order
+  std::vector<std::string> unit_names;               // the root unit, if any, is last and named ""
+  std::vector<std::vector<size_t>> unit_buckets;     // materialized buckets per unit
+  bool has_root_unit = false;
+  bool prefetch = true;
+  bool overlap = true;
+  double scale = 1.0;
+  bool sync = true;
+
+  // Per backward.
+  std::vector<int> expected;  // parameters per bucket
+  std::vector<int> arrived;
+  std::vector<bool> ready;
+  std::vector<CommTask> tasks;
+  size_t launched = 0;  // buckets 0..launched-1 have their reduction started, in order
+  bool callback_queued = false;
+  bool reductions_pending = false;
+  // Grad accumulators must be kept alive for their hooks to fire.
+  std::vector<std::shared_ptr<void>> keep_alive;
+
+  void gather_unit(size_t unit, bool wait) {
+    for (size_t b : unit_buckets[unit]) buckets[b]->start_gather();
+    if (wait)
+      for (size_t b : unit_buckets[unit]) buckets[b]->wait_gather();
+  }
+  void free_unit(size_t unit) {
+    for (size_t b : unit_buckets[unit]) buckets[b]->free_params();
+  }
+  void ensure_root() {
+    if (has_root_unit) gather_unit(unit_buckets.size() - 1, true);
+  }
+
+  void queue_end_callback(const std::shared_ptr<ShardState>& self) {
+    if (callback_queued) return;
+    callback_queued = true;
+    std::weak_ptr<ShardState> weak = self;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto s = weak.lock()) s->end_backward();
+    });
+  }
+
+  // Reductions start in bucket order on every rank (as DDP does), and a
+  // later stage of a hierarchical reduction starts only after the bucket
+  // before it started that stage, so every communicator sees the same order.
+  void launch_ready(bool all) {
+    while (launched < buckets.size() && (all || ready[launched])) {
+      tasks[launched] = buckets[launched]->reduce_grads();
+      tasks[launched].start();
+      ++launched;
+    }
+    poll();
+  }
+  void poll() {
+    size_t limit = static_cast<size_t>(-1);
+    for (size_t b = 0; b < launched; ++b) {
+      tasks[b].poll(limit);
+      limit = tasks[b].done() ? static_cast<size_t>(-1) : tasks[b].issued();
+    }
+  }
+
+  void on_grad_ready(size_t bucket, size_t slot, const std::shared_ptr<ShardState>& self) {
+    queue_end_callback(self);
+    buckets[bucket]->adopt_grad(slot);
+    if (!sync) return;
+    reductions_pending = true;
+    if (++arrived[bucket] == expected[bucket]) {
+      ready[bucket] = true;
+      buckets[bucket]->free_params();  // its backward is done (Note [Units and gathering])
+      if (overlap) launch_ready(false);
+    } else if (launched > 0) {
+      poll();
+    }
+  }
+
+  void pre_backward(const std::vector<size_t>& units, size_t prefetch_unit, const std::shared_ptr<ShardState>& self) {
+    queue_end_callback(self);
+    ensure_root();
+    for (size_t u : units) gather_unit(u, false);
+    if (prefetch && prefetch_unit < unit_buckets.size()) gather_unit(prefetch_unit, false);
+    for (size_t u : units) gather_unit(u, true);
+  }
+
+  void end_backward() {
+    callback_queued = false;
+    if (!sync || !reductions_pending) return;
+    launch_ready(true);
+    finish();
+    for (auto& b : buckets) b->free_params();
+  }
+
+  void finish() {
+    if (!reductions_pending) return;
+    launch_ready(true);
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      tasks[b].wait();
+      tasks[b] = CommTask();
+      if (scale != 1.0) buckets[b]->scale_grads(scale);
+      buckets[b]->release_full_grads();
+    }
+    std::fill(arrived.begin(), arrived.end(), 0);
+    std::fill(ready.begin(), ready.end(), false);
+    launched = 0;
+    reductions_pending = false;
+  }
+};
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GradReadyHook : torch::autograd::FunctionPostHook {
+  GradReadyHook(std::weak_ptr<ShardState> state, size_t bucket, size_t slot)
+      : state_(std::move(state)), bucket_(bucket), slot_(slot) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    if (auto s = state_.lock()) s->on_grad_ready(bucket_, slot_, s);
+    return outputs;
+  }
+  std::weak_ptr<ShardState> state_;
+  size_t bucket_;
+  size_t slot_;
+};
+
+ParamSlot make_slot(std::string name, const at::Tensor& param) {
+  ParamSlot slot;
+  slot.name = std::move(name);
+  slot.param = param;
+  return slot;
+}
+
+struct StateCapsule : torch::CustomClassHolder {
+  std::weak_ptr<ShardState> state;
+  std::vector<size_t> units;
+  size_t prefetch_unit;
+};
+
+// Identity in forward; in backward, gathers the units whose backward follows.
+struct PreBackward : torch::autograd::Function<PreBackward> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<StateCapsule> capsule) {
+    ctx->saved_data["state"] = at::IValue::make_capsule(std::move(capsule));
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto holder = ctx->saved_data["state"].toCapsule();
+    auto* capsule = static_cast<StateCapsule*>(holder.get());
+    if (auto s = capsule->state.lock()) s->pre_backward(capsule->units, capsule->prefetch_unit, s);
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context::ParallelContextPtr ctx,
+                             ShardedModuleOptions options)
+    : module_(std::move(module)), ctx_(std::move(ctx)), options_(std::move(options)) {
+  TORCH_CHECK(module_ != nullptr, "ShardedModule: the module is null");
+  TORCH_CHECK(ctx_ != nullptr, "ShardedModule: the ParallelContext is null");
+  group_ = options_.group() ? options_.group() : ctx_->comm(context::ParallelMode::kData);
+  TORCH_CHECK(options_.bucket_bytes() > 0, "ShardedModule: bucket_bytes must be positive, got ",
+              options_.bucket_bytes());
+  const ShardDegrees degrees = options_.spec().resolve(group_->size());
+  state_ = std::make_shared<ShardState>();
+  ShardState& s = *state_;
+  s.layout = std::make_unique<ShardLayout>(group_, degrees);
+  s.prefetch = options_.prefetch();
+  s.overlap = options_.overlap();
+  s.scale = options_.average() ? 1.0 / group_->size() : 1.0;
+  const bool materialize = degrees.params > 1 || options_.offload_params();
+
+  if (options_.sync_module_states() && group_->size() > 1) {
+    at::NoGradGuard no_grad;
+    auto states = module_->parameters();
+    for (auto& b : module_->buffers()) states.push_back(b);
+    for (auto& t : states) {
+      at::Tensor buf = t.is_contiguous() ? t.detach() : t.detach().contiguous();
+      group_->broadcast(buf);
+      if (!buf.is_same(t)) t.detach().copy_(buf);
+    }
+  }
+
+  // Which parameters form which unit (Note [Units and gathering]).
+  std::vector<std::string> units = options_.units();
+  auto named_modules = module_->named_modules();
+  if (units.empty() && materialize) {
+    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
+      for (const auto& child : seq->named_children()) units.push_back(child.key());
+    }
+  }
+  std::vector<std::vector<ParamSlot>> unit_params(units.size());
+  std::vector<ParamSlot> rest;
+  std::set<const void*> claimed;
+  {
+    std::vector<size_t> order(units.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    // Deeper names first, so a nested unit keeps its own parameters.
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return units[a].size() > units[b].size(); });
+    for (size_t i : order) {
+      const auto* found = named_modules.find(units[i]);
+      TORCH_CHECK(found != nullptr, "ShardedModule: unit '", units[i],
+                  "' is not a submodule name of the module; names are those of named_modules(), e.g. 'layers.0'");
+      for (const auto& p : (*found)->named_parameters(true)) {
+        if (!p.value().requires_grad() || !claimed.insert(p.value().unsafeGetTensorImpl()).second) continue;
+        unit_params[i].push_back(make_slot(units[i] + "." + p.key(), p.value()));
+      }
+    }
+    // Registration order inside each unit.
+    std::map<const void*, size_t> position;
+    size_t pos = 0;
+    for (const auto& p : module_->named_parameters(true)) position.emplace(p.value().unsafeGetTensorImpl(), pos++);
+    for (auto& list : unit_params) {
+      std::sort(list.begin(), list.end(), [&](const ParamSlot& a, const ParamSlot& b) {
+        return position[a.param.unsafeGetTensorImpl()] < position[b.param.unsafeGetTensorImpl()];
+      });
+    }
+    for (const auto& p : module_->named_parameters(true)) {
+      if (p.value().requires_grad() && !claimed.count(p.value().unsafeGetTensorImpl()))
+        rest.push_back(make_slot(p.key(), p.value()));
+    }
+  }
+
+  // Buckets, in the order backward produces gradients: reverse registration.
+  auto same_kind = [](const ParamSlot& a, const ParamSlot& b) {
+    return a.param.scalar_type() == b.param.scalar_type() && a.param.device() == b.param.device();
+  };
+  auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
+    std::vector<size_t> made;
+    std::reverse(slots.begin(), slots.end());
+    std::vector<ParamSlot> current;
+    int64_t bytes = 0;
+    auto flush = [&] {
+      if (current.empty()) return;
+      made.push_back(s.buckets.size());
+      s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layout, materialize,
+                                                       options_.offload_params()));
+      current.clear();
+      bytes = 0;
+    };
+    for (auto& slot : slots) {
+      const int64_t b = slot.param.numel() * static_cast<int64_t>(slot.param.element_size());
+      if (!current.empty() && (!same_kind(current.back(), slot) || (cap_bytes > 0 && bytes + b > cap_bytes))) flush();
+      bytes += b;
+      current.push_back(std::move(slot));
+    }
+    flush();
+    return made;
+  };
+  if (materialize) {
+    // One bucket per unit (and dtype); units reduce in reverse order.
+    s.unit_names = units;
+    s.unit_buckets.resize(units.size());
+    if (!rest.empty() || units.empty()) {
+      s.has_root_unit = true;
+      s.unit_names.push_back("");
+      s.unit_buckets.emplace_back();
+      s.unit_buckets.back() = add_buckets(std::move(rest), 0);
+    }
+    for (size_t u = units.size(); u-- > 0;) s.unit_buckets[u] = add_buckets(std::move(unit_params[u]), 0);
+  } else {
+    std::vector<ParamSlot> all;
+    for (const auto& p : module_->named_parameters(true))
+      if (p.value().requires_grad()) all.push_back(make_slot(p.key(), p.value()));
+    add_buckets(std::move(all), options_.bucket_bytes());
+    s.unit_names = units.empty() ? std::vector<std::string>{""} : units;
+    s.unit_buckets.resize(s.unit_names.size());
+  }
+
+  const size_t n = s.buckets.size();
+  s.expected.assign(n, 0);
+  s.arrived.assign(n, 0);
+  s.ready.assign(n, false);
+  s.tasks.resize(n);
+  std::weak_ptr<ShardState> weak = state_;
+  for (size_t b = 0; b < n; ++b) {
+    const auto& slots = s.buckets[b]->slots();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(slots[i].param);
+      TORCH_INTERNAL_ASSERT(acc, "no grad accumulator for ", slots[i].name);
+      acc->add_post_hook(std::make_unique<GradReadyHook>(weak, b, i));
+      s.keep_alive.emplace_back(acc);
+      ++s.expected[b];
+    }
+  }
+}
+
+ShardedModule::~ShardedModule() = default;
+
+const ShardDegrees& ShardedModule::degrees() const { return state_->layout->degrees(); }
+const ShardLayout& ShardedModule::layout() const { return *state_->layout; }
+size_t ShardedModule::num_units() const { return state_->unit_names.size() - (state_->has_root_unit ? 1 : 0); }
+size_t ShardedModule::num_buckets() const { return state_->buckets.size(); }
+const FlatBucket& ShardedModule::bucket(size_t i) const { return *state_->buckets.at(i); }
+FlatBucket& ShardedModule::bucket(size_t i) { return *state_->buckets.at(i); }
+
+std::vector<int64_t> ShardedModule::bucket_numels() const {
+  std::vector<int64_t> out;
+  for (const auto& b : state_->buckets) out.push_back(b->numel());
+  return out;
+}
+
+at::Tensor ShardedModule::run_unit(size_t unit, const std::function<at::Tensor()>& fn) {
+  ShardState& s = *state_;
+  TORCH_CHECK(unit < num_units() || (unit == 0 && num_units() == 0), "ShardedModule::run_unit: unit ", unit,
+              " does not exist; this module has ", num_units(), " unit(s)");
+  s.ensure_root();
+  if (unit < s.unit_buckets.size()) s.gather_unit(unit, false);
+  if (s.prefetch && unit + 1 < num_units()) s.gather_unit(unit + 1, false);
+  if (unit < s.unit_buckets.size()) s.gather_unit(unit, true);
+  at::Tensor out = fn();
+  if (s.sync && unit < num_units()) s.free_unit(unit);
+  if (!out.requires_grad() || !at::GradMode::is_enabled()) return out;
+  auto capsule = c10::make_intrusive<StateCapsule>();
+  capsule->state = state_;
+  capsule->units = {unit};
+  capsule->prefetch_unit = unit == 0 ? static_cast<size_t>(-1) : unit - 1;
+  return PreBackward::apply(out, capsule);
+}
+
+at::Tensor ShardedModule::run(const std::function<at::Tensor()>& fn) {
+  ShardState& s = *state_;
+  std::vector<size_t> all(s.unit_buckets.size());
+  for (size_t u = 0; u < all.size(); ++u) all[u] = u;
+  for (size_t u : all) s.gather_unit(u, false);
+  for (size_t u : all) s.gather_unit(u, true);
+  at::Tensor out = fn();
+  if (s.sync)
+    for (size_t u : all) s.free_unit(u);
+  if (!out.requires_grad() || !at::GradMode::is_enabled()) return out;
+  auto capsule = c10::make_intrusive<StateCapsule>();
+  capsule->state = state_;
+  capsule->units = all;
+  capsule->prefetch_unit = static_cast<size_t>(-1);
+  return PreBackward::apply(out, capsule);
+}
+
+at::Tensor ShardedModule::forward(const at::Tensor& input) {
+  auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_);
+  TORCH_CHECK(seq != nullptr, "ShardedModule::forward(input) needs a torch::nn::Sequential; for module type ",
+              module_->name(), " call run(fn) or run_unit(i, fn) from its forward");
+  const bool per_child = num_units() == seq->size() && options_.units().empty();
+  if (!per_child) return run([&] { return seq->forward(input); });
+  at::Tensor x = input;
+  size_t i = 0;
+  for (auto& child : *seq) {
+    x = run_unit(i++, [&] { return child.forward(x); });
+  }
+  return x;
+}
+
+void ShardedModule::set_gradient_sync(bool sync) { state_->sync = sync; }
+bool ShardedModule::gradient_sync() const { return state_->sync; }
+void ShardedModule::finish_gradient_sync() { state_->finish(); }
+
+void ShardedModule::zero_grad() {
+  state_->finish();
+  for (auto& b : state_->buckets) b->zero_grads();
+}
+
+void ShardedModule::sync_params_after_step() {
+  for (auto& b : state_->buckets) b->regather_params();
+}
+
+ShardedModule::FullParams::FullParams(ShardedModule& owner) : owner_(owner) {
+  for (auto& b : owner_.state_->buckets) b->start_gather();
+  for (auto& b : owner_.state_->buckets) b->wait_gather();
+}
+
+ShardedModule::FullParams::~FullParams() {
+  for (auto& b : owner_.state_->buckets) b->free_params();
+}
+
+ModelStateBytes ShardedModule::memory() const {
+  ModelStateBytes m;
+  for (const auto& b : state_->buckets) {
+    m.params += b->param_bytes();
+    m.grads += b->grad_bytes();
+  }
+  return m;
+}
+
+}  // namespace parallel
+}  // namespace tessera
