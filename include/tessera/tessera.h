@@ -19,6 +19,10 @@
 #include "tessera/core/error.h"
 #include "tessera/core/logging.h"
 #include "tessera/core/threads.h"
+#include "tessera/parallel/shard_layout.h"
+#include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/parallel/sharding_spec.h"
 #ifdef TESSERA_HAVE_NCCL
 #include "tessera/comm/nccl_communicator.h"
 #endif

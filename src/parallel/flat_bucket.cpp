@@ -15,6 +15,7 @@ namespace {
 // parameters and the tensors autograd saved for backward point at.
 void release_storage(const at::Tensor& t) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == 0) return;
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   impl->set_nbytes(0);
 }
@@ -31,13 +32,14 @@ int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<in
 }  // namespace
 
 FlatBucket::FlatBucket(size_t index, std::vector<ParamSlot> slots, const ShardLayout& layout, bool materialize,
-                       bool offload_params)
+                       bool offload_params, std::shared_ptr<MemoryCounter> counter)
     : index_(index),
       slots_(std::move(slots)),
       layout_(layout),
       materialize_(materialize),
       offload_params_(offload_params),
-      device_(slots_.at(0).param.device()) {
+      device_(slots_.at(0).param.device()),
+      counter_(std::move(counter)) {
   at::NoGradGuard no_grad;
   const auto options = slots_[0].param.options();
   for (auto& slot : slots_) {
@@ -71,8 +73,16 @@ FlatBucket::FlatBucket(size_t index, std::vector<ParamSlot> slots, const ShardLa
     if (offload_params_) shard_options = shard_options.device(at::kCPU);
     param_shard_ = at::empty({chunk.numel()}, shard_options);
     param_shard_.copy_(chunk);
-    free_params();
   }
+  track(full_param_, 1);
+  track(full_grad_, 1);
+  track(grad_shard_, 1);
+  track(param_shard_, 1);
+  if (materialize_) free_params();
+}
+
+void FlatBucket::track(const at::Tensor& t, int sign) const {
+  if (t.defined()) counter_->add(sign * static_cast<int64_t>(t.storage().nbytes()));
 }
 
 int64_t FlatBucket::element_size() const { return static_cast<int64_t>(full_param_.element_size()); }
@@ -80,6 +90,7 @@ int64_t FlatBucket::element_size() const { return static_cast<int64_t>(full_para
 void FlatBucket::start_gather() {
   if (!materialize_ || gathered_ || gathering_) return;
   restore_storage(full_param_, full_param_bytes_);
+  counter_->add(full_param_bytes_);
   at::Tensor source = param_shard_.device() == device_ ? param_shard_ : param_shard_.to(device_, /*non_blocking=*/true);
   gather_task_ = layout_.gather(full_param_, numel_, layout_.degrees().params, 1, source);
   gather_task_.start();
@@ -98,12 +109,16 @@ void FlatBucket::wait_gather() {
 void FlatBucket::free_params() {
   if (!materialize_) return;
   if (gathering_) wait_gather();  // never free under an operation in flight
+  if (gathered_) counter_->add(-full_param_bytes_);
   release_storage(full_param_);
   gathered_ = false;
 }
 
 void FlatBucket::ensure_full_grads() {
-  if (!full_grad_.defined()) full_grad_ = at::zeros({numel_}, full_param_.options());
+  if (!full_grad_.defined()) {
+    full_grad_ = at::zeros({numel_}, full_param_.options());
+    track(full_grad_, 1);
+  }
   for (size_t i = 0; i < slots_.size(); ++i) adopt_grad(i);
 }
 
@@ -126,6 +141,7 @@ void FlatBucket::adopt_grad(size_t slot_index) {
 void FlatBucket::release_full_grads() {
   if (layout_.degrees().grads == 1 || !full_grad_.defined()) return;
   for (auto& slot : slots_) slot.param.mutable_grad().reset();
+  track(full_grad_, -1);
   full_grad_ = at::Tensor();
 }
 

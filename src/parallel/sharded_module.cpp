@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <utility>
 
 namespace tessera {
 namespace parallel {
@@ -22,6 +23,7 @@ namespace parallel {
 // outliving its ShardedModule does nothing.
 struct ShardState {
   std::unique_ptr<ShardLayout> layout;
+  std::shared_ptr<MemoryCounter> counter = std::make_shared<MemoryCounter>();
   std::vector<std::unique_ptr<FlatBucket>> buckets;  // in reduction order
   std::vector<std::string> unit_names;               // the root unit, if any, is last and named ""
   std::vector<std::vector<size_t>> unit_buckets;     // materialized buckets per unit
@@ -35,12 +37,14 @@ struct ShardState {
   std::vector<int> expected;  // parameters per bucket
   std::vector<int> arrived;
   std::vector<bool> ready;
+  std::vector<bool> finalized;
   std::vector<CommTask> tasks;
   size_t launched = 0;  // buckets 0..launched-1 have their reduction started, in order
   bool callback_queued = false;
   bool reductions_pending = false;
-  // Grad accumulators must be kept alive for their hooks to fire.
-  std::vector<std::shared_ptr<void>> keep_alive;
+  // Grad accumulators must be kept alive for their hooks to fire; a
+  // shared_ptr up to LibTorch 2.11, an intrusive_ptr after (LIBTORCH_NOTES 7).
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))> keep_alive;
 
   void gather_unit(size_t unit, bool wait) {
     for (size_t b : unit_buckets[unit]) buckets[b]->start_gather();
@@ -77,9 +81,27 @@ struct ShardState {
   void poll() {
     size_t limit = static_cast<size_t>(-1);
     for (size_t b = 0; b < launched; ++b) {
-      tasks[b].poll(limit);
-      limit = tasks[b].done() ? static_cast<size_t>(-1) : tasks[b].issued();
+      if (finalized[b]) {
+        limit = static_cast<size_t>(-1);  // so every earlier bucket issued every stage
+        continue;
+      }
+      if (tasks[b].poll(limit)) {
+        finalize(b);
+        limit = static_cast<size_t>(-1);
+      } else {
+        limit = tasks[b].issued();
+      }
     }
+  }
+
+  // A bucket's reduction is complete: average, and free its full gradients
+  // now rather than at the end of backward (this bounds ZeRO-2's peak).
+  void finalize(size_t b) {
+    tasks[b].wait();
+    tasks[b] = CommTask();
+    if (scale != 1.0) buckets[b]->scale_grads(scale);
+    buckets[b]->release_full_grads();
+    finalized[b] = true;
   }
 
   void on_grad_ready(size_t bucket, size_t slot, const std::shared_ptr<ShardState>& self) {
@@ -115,14 +137,11 @@ struct ShardState {
   void finish() {
     if (!reductions_pending) return;
     launch_ready(true);
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      tasks[b].wait();
-      tasks[b] = CommTask();
-      if (scale != 1.0) buckets[b]->scale_grads(scale);
-      buckets[b]->release_full_grads();
-    }
+    for (size_t b = 0; b < buckets.size(); ++b)
+      if (!finalized[b]) finalize(b);
     std::fill(arrived.begin(), arrived.end(), 0);
     std::fill(ready.begin(), ready.end(), false);
+    std::fill(finalized.begin(), finalized.end(), false);
     launched = 0;
     reductions_pending = false;
   }
@@ -255,7 +274,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       if (current.empty()) return;
       made.push_back(s.buckets.size());
       s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layout, materialize,
-                                                       options_.offload_params()));
+                                                       options_.offload_params(), s.counter));
       current.clear();
       bytes = 0;
     };
@@ -292,6 +311,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   s.expected.assign(n, 0);
   s.arrived.assign(n, 0);
   s.ready.assign(n, false);
+  s.finalized.assign(n, false);
   s.tasks.resize(n);
   std::weak_ptr<ShardState> weak = state_;
   for (size_t b = 0; b < n; ++b) {
@@ -300,7 +320,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       auto acc = torch::autograd::impl::grad_accumulator(slots[i].param);
       TORCH_INTERNAL_ASSERT(acc, "no grad accumulator for ", slots[i].name);
       acc->add_post_hook(std::make_unique<GradReadyHook>(weak, b, i));
-      s.keep_alive.emplace_back(acc);
+      s.keep_alive.push_back(acc);
       ++s.expected[b];
     }
   }
@@ -391,6 +411,9 @@ ShardedModule::FullParams::FullParams(ShardedModule& owner) : owner_(owner) {
 ShardedModule::FullParams::~FullParams() {
   for (auto& b : owner_.state_->buckets) b->free_params();
 }
+
+int64_t ShardedModule::peak_bytes() const { return state_->counter->peak; }
+void ShardedModule::reset_peak_bytes() { state_->counter->peak = state_->counter->current; }
 
 ModelStateBytes ShardedModule::memory() const {
   ModelStateBytes m;

@@ -119,7 +119,14 @@ ShardDegrees ShardingSpec::resolve(int dp) const {
 }
 
 std::string ShardingSpec::to_string() const {
-  return "{" + params.to_string() + "," + grads.to_string() + "," + optim_states.to_string() + "}";
+  std::string out = "{";
+  out += params.to_string();
+  out += ',';
+  out += grads.to_string();
+  out += ',';
+  out += optim_states.to_string();
+  out += '}';
+  return out;
 }
 
 }  // namespace parallel

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,13 +16,24 @@ namespace parallel {
 
 struct ParamSlot;
 
+// Bytes of parameter and gradient buffers the buckets of one module hold,
+// and the most they held at once since reset.
+struct MemoryCounter {
+  int64_t current = 0;
+  int64_t peak = 0;
+  void add(int64_t bytes) {
+    current += bytes;
+    peak = current > peak ? current : peak;
+  }
+};
+
 class FlatBucket {
  public:
   // Moves the parameters' storage into the flat buffer (values kept). With
   // `materialize`, keeps only this rank's parameter chunk (on the CPU with
   // offload_params) and frees the full buffer until gathered.
   FlatBucket(size_t index, std::vector<ParamSlot> slots, const ShardLayout& layout, bool materialize,
-             bool offload_params);
+             bool offload_params, std::shared_ptr<MemoryCounter> counter);
 
   size_t index() const { return index_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
@@ -65,6 +77,8 @@ class FlatBucket {
  private:
   at::Tensor param_store() const;  // the tensor holding this rank's s_p chunk
 
+  void track(const at::Tensor& t, int sign) const;
+
   size_t index_;
   std::vector<ParamSlot> slots_;
   const ShardLayout& layout_;
@@ -79,6 +93,7 @@ class FlatBucket {
   at::Tensor param_shard_;  // N / s_p (materialized only)
   at::Tensor full_grad_;    // N; persistent iff s_g == 1
   at::Tensor grad_shard_;   // N / s_g (s_g > 1)
+  std::shared_ptr<MemoryCounter> counter_;
   CommTask gather_task_;
   bool gathered_ = true;
   bool gathering_ = false;

@@ -151,6 +151,10 @@ class ShardedModule {
   std::vector<int64_t> bucket_numels() const;
   // Parameters, gradients (optimizer states: see ShardedOptimizer::memory()).
   ModelStateBytes memory() const;
+  // The most parameter + gradient buffer bytes held at once (full copies
+  // while gathered or reducing included) since construction or the last reset.
+  int64_t peak_bytes() const;
+  void reset_peak_bytes();
 
  private:
   friend struct ShardState;
