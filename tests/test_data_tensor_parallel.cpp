@@ -32,15 +32,20 @@ at::Tensor seeded_ids(uint64_t seed, int64_t rows) {
 
 torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01); }
 
-class DataTensorParallel : public ::testing::TestWithParam<std::string> {};
+// (spec, sequence-parallel variant): in the variant, LayerNorm, position
+// embedding and row-bias gradients are partial over the tensor group and the
+// wrapper sums them (ShardedModuleOptions::partial_gradients).
+class DataTensorParallel : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
   auto world = test::world();
   if (world->size() % 2 != 0) GTEST_SKIP() << "needs tensor size 2";
   auto ctx = context::ParallelContext::create(world, context::ParallelConfig().tensor(2));
   const int dp = ctx->size(context::ParallelMode::kData);
-  const auto spec = parallel::ShardingSpec::parse(GetParam());
-  if (GetParam().find('2') != std::string::npos && dp % 2 != 0) GTEST_SKIP() << "P(2) needs an even data size";
+  const std::string spec_text = std::get<0>(GetParam());
+  const bool sp = std::get<1>(GetParam());
+  const auto spec = parallel::ShardingSpec::parse(spec_text);
+  if (spec_text.find('2') != std::string::npos && dp % 2 != 0) GTEST_SKIP() << "P(2) needs an even data size";
   const int64_t global_batch = 8;
 
   torch::manual_seed(0);
@@ -58,9 +63,10 @@ TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
     serial_losses.push_back(loss.item<double>());
   }
 
-  models::GPT gpt(tiny(), nn::make_1d_factory(ctx->comm(context::ParallelMode::kTensor), false, 1, 2));
+  models::GPT gpt(tiny(), nn::make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sp, 1, 2));
   gpt->load_full_state(initial);
-  auto sharded = std::make_shared<parallel::ShardedModule>(gpt.ptr(), ctx, parallel::ShardedModuleOptions().spec(spec));
+  auto sharded = std::make_shared<parallel::ShardedModule>(
+      gpt.ptr(), ctx, parallel::ShardedModuleOptions().spec(spec).partial_gradients(gpt->partial_gradients()));
   parallel::ShardedOptimizer opt(sharded, std::make_shared<torch::optim::SGD>(gpt->parameters(), sgd()));
   const int64_t rows = global_batch / dp;
   const int64_t first = ctx->rank(context::ParallelMode::kData) * rows;
@@ -83,9 +89,11 @@ TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Specs, DataTensorParallel,
-                         ::testing::Values("ddp", "zero1", "zero2", "zero3", "{P(2),S,S}", "{R,P(2),S}"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           std::string name = info.param;
+                         ::testing::Combine(::testing::Values("ddp", "zero1", "zero2", "zero3", "{P(2),S,S}",
+                                                              "{R,P(2),S}"),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<std::string, bool>>& info) {
+                           std::string name = std::get<0>(info.param) + (std::get<1>(info.param) ? "_sp" : "_1d");
                            for (char& c : name)
                              if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            return name;

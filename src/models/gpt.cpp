@@ -138,7 +138,8 @@ at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) {
   return factory_->loss(logits, targets, config_.vocab);
 }
 
-void GPTImpl::reduce_partial_gradients() { factory_->reduce_partial_gradients(*this); }
+void GPTImpl::reduce_partial_gradients() { nn::reduce_partial_gradients(partial_gradients()); }
+nn::PartialGradients GPTImpl::partial_gradients() { return factory_->partial_gradients(*this); }
 
 std::vector<GPTImpl::Named> GPTImpl::named_layers() {
   std::vector<Named> out = {{"wte", &wte_, false}, {"wpe", &wpe_, false}};

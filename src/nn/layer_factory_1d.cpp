@@ -134,24 +134,22 @@ class Factory1D : public LayerFactory {
                                         VocabParallelCrossEntropyOptions().vocab_size(vocab));
   }
 
-  void reduce_partial_gradients(torch::nn::Module& model) override {
-    if (!sp_) return;
+  PartialGradients partial_gradients(torch::nn::Module& model) override {
+    PartialGradients out{{}, group_};
+    if (!sp_) return out;
     // Parameters replicated over the group but fed by this rank's sequence
     // shard only: LayerNorm, position embeddings, row-parallel biases.
     for (const auto& module : model.modules()) {
       if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
-        r->reduce_partial_gradients();
+        if (r->options.bias()) out.params.push_back(r->bias);
         continue;
       }
       const bool replicated = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module) != nullptr ||
                               std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module) != nullptr;
       if (!replicated) continue;
-      for (auto& p : module->parameters(/*recurse=*/false)) {
-        if (!p.grad().defined()) continue;
-        at::Tensor g = p.mutable_grad();
-        group_->all_reduce(g);
-      }
+      for (auto& p : module->parameters(/*recurse=*/false)) out.params.push_back(p);
     }
+    return out;
   }
 
  private:

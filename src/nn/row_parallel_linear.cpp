@@ -2,6 +2,7 @@
 
 #include "linear_init.h"
 #include "tessera/comm/functional.h"
+#include "tessera/nn/partial_gradients.h"
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
@@ -63,9 +64,8 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 }
 
 void RowParallelLinearImpl::reduce_partial_gradients() {
-  if (!options.sequence_parallel() || !options.bias() || !bias.grad().defined()) return;
-  at::Tensor grad = bias.mutable_grad();
-  group_->all_reduce(grad);
+  if (!options.sequence_parallel() || !options.bias()) return;
+  nn::reduce_partial_gradients(PartialGradients{{bias}, group_});
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {

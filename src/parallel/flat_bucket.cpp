@@ -148,7 +148,17 @@ void FlatBucket::release_full_grads() {
 CommTask FlatBucket::reduce_grads() {
   ensure_full_grads();
   const int g = layout_.degrees().grads;
-  return layout_.reduce(full_grad_, g == 1 ? full_grad_ : grad_shard_, g);
+  at::Tensor out = g == 1 ? full_grad_ : grad_shard_;
+  CommTask task = layout_.reduce(full_grad_, out, g);
+  if (partial_group_ && partial_group_->size() > 1) {
+    comm::CommunicatorPtr group = partial_group_;
+    task.then([group, out]() mutable {
+      comm::AllReduceOptions opts;
+      opts.async = true;
+      return group->all_reduce(out, opts);
+    });
+  }
+  return task;
 }
 
 void FlatBucket::scale_grads(double factor) {

@@ -265,7 +265,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   auto same_kind = [](const ParamSlot& a, const ParamSlot& b) {
     return a.param.scalar_type() == b.param.scalar_type() && a.param.device() == b.param.device();
   };
-  auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
+  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes, comm::CommunicatorPtr partial_group) {
     std::vector<size_t> made;
     std::reverse(slots.begin(), slots.end());
     std::vector<ParamSlot> current;
@@ -275,6 +275,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       made.push_back(s.buckets.size());
       s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layout, materialize,
                                                        options_.offload_params(), s.counter));
+      if (partial_group) s.buckets.back()->set_partial_group(partial_group);
       current.clear();
       bytes = 0;
     };
@@ -285,6 +286,25 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       current.push_back(std::move(slot));
     }
     flush();
+    return made;
+  };
+  std::set<const void*> partial;
+  for (const auto& p : options_.partial_gradients().params) partial.insert(p.unsafeGetTensorImpl());
+  auto is_partial = [&](const ParamSlot& slot) { return partial.count(slot.param.unsafeGetTensorImpl()) > 0; };
+  // Partial-gradient parameters get buckets of their own (the same on every
+  // rank of their group, so the chunks summed over it line up).
+  auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
+    std::vector<ParamSlot> own;
+    for (auto it = slots.begin(); it != slots.end();) {
+      if (is_partial(*it)) {
+        own.push_back(std::move(*it));
+        it = slots.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::vector<size_t> made = add_plain_buckets(std::move(slots), cap_bytes, nullptr);
+    for (size_t b : add_plain_buckets(std::move(own), cap_bytes, options_.partial_gradients().group)) made.push_back(b);
     return made;
   };
   if (materialize) {

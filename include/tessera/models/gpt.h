@@ -50,8 +50,10 @@ class GPTImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& ids);
   // Mean cross entropy of the logits against targets [b, s].
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets);
-  // After backward: sums gradients that are partial in this mode.
+  // After backward: sums gradients that are partial in this mode. Under
+  // ShardedModule pass partial_gradients() to its options instead.
   void reduce_partial_gradients();
+  nn::PartialGradients partial_gradients();
 
   // GPT-2's initialisation: weights and embeddings N(0, 0.02), the residual
   // projections N(0, 0.02 / sqrt(2 · layers)), biases 0, LayerNorm 1 and 0;

@@ -19,9 +19,11 @@
 //   can load and give back full weights whatever the mode.
 // - lm_logits gives logits on this rank's vocabulary shard; loss takes them
 //   with full targets [b, s].
-// - reduce_partial_gradients sums, over the tensor group, the gradients that
-//   are partial in this mode (sequence-parallel LayerNorm and row biases).
+// - partial_gradients names the parameters whose gradients are partial over
+//   the tensor group in this mode (sequence-parallel LayerNorm, position
+//   embeddings and row biases).
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/partial_gradients.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/any.h>
@@ -70,7 +72,9 @@ class LayerFactory {
   virtual at::Tensor lm_logits(const at::Tensor& hidden, torch::nn::AnyModule& vocab_embedding) = 0;
   // Mean cross entropy over targets [b, s] (full), ignore_index -100.
   virtual at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) = 0;
-  virtual void reduce_partial_gradients(torch::nn::Module& model) = 0;
+  // The parameters of `model` whose gradients are partial in this mode
+  // (include/tessera/nn/partial_gradients.h); empty params if none.
+  virtual PartialGradients partial_gradients(torch::nn::Module& model) = 0;
 };
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects

@@ -51,7 +51,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   // only, so bias.grad() holds this rank's part of the gradient. This sums it
   // over the tensor group (collective; does nothing without sequence
   // parallelism). Call it after backward, before the optimizer step; the data
-  // parallel wrapper will do it for you once it exists.
+  // parallel wrapper (ShardedModuleOptions::partial_gradients) does it
+  // inside its own reduction.
   void reduce_partial_gradients();
 
   const comm::CommunicatorPtr& tensor_group() const { return group_; }

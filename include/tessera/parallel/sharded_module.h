@@ -32,6 +32,7 @@
 // buckets of options.bucket_bytes in reverse registration order, as DDP does.
 #include "tessera/comm/communicator.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/nn/partial_gradients.h"
 #include "tessera/parallel/shard_layout.h"
 #include "tessera/parallel/sharding_spec.h"
 
@@ -69,6 +70,10 @@ struct ShardedModuleOptions {
   TORCH_ARG(bool, sync_module_states) = true;
   // The group to shard over; default: the context's data group.
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
+  // Parameters whose gradients are partial sums over another group (the
+  // sequence-parallel GPT's gpt->partial_gradients()): kept in buckets of
+  // their own, and their reduced gradient chunk is also summed over that group.
+  TORCH_ARG(nn::PartialGradients, partial_gradients) = {};
 
  public:
   ShardedModuleOptions() = default;
