@@ -9,6 +9,8 @@
 //
 //   mpirun -np 4 dp_step [--hidden 1024] [--layers 4] [--batch 64] [--steps 5]
 //       [--warmup 2] [--rounds 3] [--bucket-mb 25] [--specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2]
+#include "bench_util.h"
+
 #include <tessera/parallel/flat_bucket.h>
 #include <tessera/parallel/sharded_module.h>
 #include <tessera/parallel/sharded_optimizer.h>
@@ -18,9 +20,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
 #include <functional>
-#include <sstream>
 #include <vector>
 
 namespace {
@@ -32,10 +32,12 @@ using tessera::parallel::ShardingSpec;
 
 struct Args {
   int64_t hidden = 1024, layers = 4, batch = 64, bucket_mb = 25;
-  int steps = 5, warmup = 2, rounds = 3;
+  int64_t steps = 5, warmup = 2, rounds = 3;
   std::vector<std::string> specs = {"ddp", "zero1", "zero2", "zero3", "hpz:2", "{R,P(2),S}", "mics:2"};
+  bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
+// Splits "ddp,{R,P(2),S}" at the commas outside braces and parentheses.
 std::vector<std::string> split_specs(const std::string& text) {
   std::vector<std::string> out;
   std::string cur;
@@ -56,56 +58,18 @@ std::vector<std::string> split_specs(const std::string& text) {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i], v = argv[i + 1];
-    if (f == "--specs") {
-      a.specs = split_specs(v);
-      continue;
-    }
-    int64_t n = 0;
-    try {
-      n = std::stoll(v);
-    } catch (const std::exception&) {
-      TORCH_CHECK(false, "flag ", f, " needs an integer, got '", v, "'");
-    }
-    if (f == "--hidden")
-      a.hidden = n;
-    else if (f == "--layers")
-      a.layers = n;
-    else if (f == "--batch")
-      a.batch = n;
-    else if (f == "--bucket-mb")
-      a.bucket_mb = n;
-    else if (f == "--steps")
-      a.steps = static_cast<int>(n);
-    else if (f == "--warmup")
-      a.warmup = static_cast<int>(n);
-    else if (f == "--rounds")
-      a.rounds = static_cast<int>(n);
-    else
-      TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/dp_step.cpp");
-  }
+  std::string specs;
+  bench::parse_flags(argc, argv,
+                     {{"--hidden", &a.hidden},
+                      {"--layers", &a.layers},
+                      {"--batch", &a.batch},
+                      {"--bucket-mb", &a.bucket_mb},
+                      {"--steps", &a.steps},
+                      {"--warmup", &a.warmup},
+                      {"--rounds", &a.rounds}},
+                     {{"--specs", &specs}}, "the comment at the top of bench/dp_step.cpp");
+  if (!specs.empty()) a.specs = split_specs(specs);
   return a;
-}
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Milliseconds per call, the slowest rank's, median over rounds.
-double time_ms(const std::function<void()>& fn, const Args& a) {
-  for (int i = 0; i < a.warmup; ++i) fn();
-  std::vector<double> rounds;
-  for (int r = 0; r < a.rounds; ++r) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double start = now_ms();
-    for (int i = 0; i < a.steps; ++i) fn();
-    double mine = (now_ms() - start) / a.steps, worst = 0;
-    MPI_Allreduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    rounds.push_back(worst);
-  }
-  std::sort(rounds.begin(), rounds.end());
-  return rounds[rounds.size() / 2];
 }
 
 torch::nn::Sequential mlp(const Args& a) {
@@ -167,10 +131,11 @@ int main(int argc, char** argv) {
         if (p.grad().defined()) p.mutable_grad().zero_();
       plain->forward(x).pow(2).mean().backward();
     };
-    const double fwd_bwd_ms = time_ms(fwd_bwd, a);
+    const double fwd_bwd_ms = bench::time_ms(fwd_bwd, a.timing());
     at::Tensor flat = at::randn({psi});
-    const double raw_allreduce_ms = time_ms(
-        [&] { MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr<float>(), psi, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); }, a);
+    const double raw_allreduce_ms = bench::time_ms(
+        [&] { MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr<float>(), psi, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        a.timing());
 
     for (const std::string& text : a.specs) {
       const ShardingSpec spec = ShardingSpec::parse(text);
@@ -183,7 +148,7 @@ int main(int argc, char** argv) {
         sharded->forward(x).pow(2).mean().backward();
         opt.step();
       };
-      const double step_ms = time_ms(step, a);
+      const double step_ms = bench::time_ms(step, a.timing());
       sharded->reset_peak_bytes();
       step();
       const int64_t peak = sharded->peak_bytes() + opt.state_bytes();
@@ -194,20 +159,20 @@ int main(int argc, char** argv) {
       auto late_net = mlp(a);
       auto late = std::make_shared<ShardedModule>(late_net.ptr(), ctx, ShardedModuleOptions(options).overlap(false));
       ShardedOptimizer late_opt(late, std::make_shared<torch::optim::AdamW>(late_net->parameters()));
-      const double no_overlap_ms = time_ms(
+      const double no_overlap_ms = bench::time_ms(
           [&] {
             late_opt.zero_grad();
             late->forward(x).pow(2).mean().backward();
             late_opt.step();
           },
-          a);
+          a.timing());
 
       // Compute alone: forward + backward of the plain module on the local
       // batch, and the optimizer on this rank's own pieces.
       const auto d = sharded->degrees();
-      const double opt_ms = time_ms([&] { opt.inner().step(); }, a);
+      const double opt_ms = bench::time_ms([&] { opt.inner().step(); }, a.timing());
       const double compute_ms = fwd_bwd_ms + opt_ms;
-      const double comm_ms = time_ms([&] { comm_only_step(*sharded); }, a);
+      const double comm_ms = bench::time_ms([&] { comm_only_step(*sharded); }, a.timing());
 
       // Bytes of one step, on a traced copy.
       auto traced_net = mlp(a);

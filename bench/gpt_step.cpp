@@ -7,6 +7,7 @@
 //   mpirun -np N gpt_step [--layers 4] [--hidden 256] [--heads 8] [--seq 128]
 //       [--batch 8] [--vocab 8192] [--steps 4] [--warmup 2] [--rounds 3]
 #include "baseline_gpt.h"
+#include "bench_util.h"
 
 #include <tessera/models/gpt.h>
 #include <tessera/tessera.h>
@@ -14,8 +15,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -23,56 +22,24 @@ namespace {
 
 struct Args {
   int64_t layers = 4, hidden = 256, heads = 8, seq = 128, batch = 8, vocab = 8192;
-  int steps = 4, warmup = 2, rounds = 3;
+  int64_t steps = 4, warmup = 2, rounds = 3;
+  bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    const int64_t v = std::stoll(argv[i + 1]);
-    if (f == "--layers")
-      a.layers = v;
-    else if (f == "--hidden")
-      a.hidden = v;
-    else if (f == "--heads")
-      a.heads = v;
-    else if (f == "--seq")
-      a.seq = v;
-    else if (f == "--batch")
-      a.batch = v;
-    else if (f == "--vocab")
-      a.vocab = v;
-    else if (f == "--steps")
-      a.steps = static_cast<int>(v);
-    else if (f == "--warmup")
-      a.warmup = static_cast<int>(v);
-    else if (f == "--rounds")
-      a.rounds = static_cast<int>(v);
-    else
-      TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/gpt_step.cpp");
-  }
+  bench::parse_flags(argc, argv,
+                     {{"--layers", &a.layers},
+                      {"--hidden", &a.hidden},
+                      {"--heads", &a.heads},
+                      {"--seq", &a.seq},
+                      {"--batch", &a.batch},
+                      {"--vocab", &a.vocab},
+                      {"--steps", &a.steps},
+                      {"--warmup", &a.warmup},
+                      {"--rounds", &a.rounds}},
+                     {}, "the comment at the top of bench/gpt_step.cpp");
   return a;
-}
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Milliseconds per call of `step`, the slowest rank's, median over rounds.
-double time_ms(const std::function<void()>& step, const Args& a, MPI_Comm comm) {
-  for (int i = 0; i < a.warmup; ++i) step();
-  std::vector<double> rounds;
-  for (int r = 0; r < a.rounds; ++r) {
-    MPI_Barrier(comm);
-    const double start = now_ms();
-    for (int i = 0; i < a.steps; ++i) step();
-    double mine = (now_ms() - start) / a.steps, worst = 0;
-    MPI_Allreduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, comm);
-    rounds.push_back(worst);
-  }
-  std::sort(rounds.begin(), rounds.end());
-  return rounds[rounds.size() / 2];
 }
 
 }  // namespace
@@ -122,8 +89,8 @@ int main(int argc, char** argv) {
       // Alternate so that neither profits from running second.
       std::vector<double> ours, theirs;
       for (int r = 0; r < 2; ++r) {
-        ours.push_back(time_ms(tessera_step, a, MPI_COMM_WORLD));
-        theirs.push_back(time_ms(base_step, a, MPI_COMM_WORLD));
+        ours.push_back(bench::time_ms(tessera_step, a.timing()));
+        theirs.push_back(bench::time_ms(base_step, a.timing()));
       }
       const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
       if (rank == 0) {
