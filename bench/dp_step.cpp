@@ -9,6 +9,11 @@
 //
 //   mpirun -np 4 dp_step [--hidden 1024] [--layers 4] [--batch 64] [--steps 5]
 //       [--warmup 2] [--rounds 3] [--bucket-mb 25] [--specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2]
+//       [--device cpu|cuda] [--backend auto|mpi|nccl] [--offload none|optimizer|params]
+//
+// On CUDA every timed call ends with a device synchronization, and the
+// caching allocator's bytes (after a step, and the step's peak, relative to
+// before the model was built) are reported beside the counted model states.
 #include "bench_util.h"
 
 #include <tessera/parallel/flat_bucket.h>
@@ -17,7 +22,11 @@
 #include <tessera/tessera.h>
 
 #include <fmt/format.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
+#if TESSERA_HAVE_C10_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <algorithm>
 #include <functional>
@@ -28,12 +37,14 @@ namespace {
 using tessera::parallel::ShardedModule;
 using tessera::parallel::ShardedModuleOptions;
 using tessera::parallel::ShardedOptimizer;
+using tessera::parallel::ShardedOptimizerOptions;
 using tessera::parallel::ShardingSpec;
 
 struct Args {
   int64_t hidden = 1024, layers = 4, batch = 64, bucket_mb = 25;
   int64_t steps = 5, warmup = 2, rounds = 3;
   std::vector<std::string> specs = {"ddp", "zero1", "zero2", "zero3", "hpz:2", "{R,P(2),S}", "mics:2"};
+  std::string device = "cpu", backend = "auto", offload = "none";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
@@ -59,26 +70,59 @@ std::vector<std::string> split_specs(const std::string& text) {
 Args parse(int argc, char** argv) {
   Args a;
   std::string specs;
-  bench::parse_flags(argc, argv,
-                     {{"--hidden", &a.hidden},
-                      {"--layers", &a.layers},
-                      {"--batch", &a.batch},
-                      {"--bucket-mb", &a.bucket_mb},
-                      {"--steps", &a.steps},
-                      {"--warmup", &a.warmup},
-                      {"--rounds", &a.rounds}},
-                     {{"--specs", &specs}}, "the comment at the top of bench/dp_step.cpp");
+  bench::parse_flags(
+      argc, argv,
+      {{"--hidden", &a.hidden},
+       {"--layers", &a.layers},
+       {"--batch", &a.batch},
+       {"--bucket-mb", &a.bucket_mb},
+       {"--steps", &a.steps},
+       {"--warmup", &a.warmup},
+       {"--rounds", &a.rounds}},
+      {{"--specs", &specs}, {"--device", &a.device}, {"--backend", &a.backend}, {"--offload", &a.offload}},
+      "the comment at the top of bench/dp_step.cpp");
   if (!specs.empty()) a.specs = split_specs(specs);
+  TORCH_CHECK(a.offload == "none" || a.offload == "optimizer" || a.offload == "params",
+              "--offload must be none, optimizer or params, got '", a.offload, "'");
+  TORCH_CHECK(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
+              "--backend must be auto, mpi or nccl, got '", a.backend, "'");
   return a;
 }
 
-torch::nn::Sequential mlp(const Args& a) {
+void sync(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// Bytes the CUDA caching allocator holds for tensors now, and the peak since
+// the last reset; -1 without CUDA.
+struct DeviceBytes {
+  int64_t current = -1, peak = -1;
+};
+DeviceBytes device_bytes(const c10::Device& device) {
+#if TESSERA_HAVE_C10_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};  // [0]: all pools
+  }
+#endif
+  (void)device;
+  return {};
+}
+void reset_device_peak(const c10::Device& device) {
+#if TESSERA_HAVE_C10_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  (void)device;
+}
+
+torch::nn::Sequential mlp(const Args& a, const c10::Device& device) {
   torch::manual_seed(0);
   torch::nn::Sequential net;
   for (int64_t i = 0; i < a.layers; ++i) {
     net->push_back(torch::nn::Linear(a.hidden, a.hidden));
     net->push_back(torch::nn::ReLU());
   }
+  net->to(device);
   return net;
 }
 
@@ -110,26 +154,34 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   try {
     const Args a = parse(argc, argv);
-    auto world = tessera::comm::make_world_communicator();
+    c10::Device device(a.device);
+    if (device.is_cuda() && !device.has_index()) device = tessera::context::local_device();
+    tessera::comm::WorldOptions world_options;
+    world_options.device = device;
+    world_options.backend = a.backend == "mpi"    ? tessera::comm::Backend::kMpi
+                            : a.backend == "nccl" ? tessera::comm::Backend::kNccl
+                                                  : tessera::comm::Backend::kAuto;
+    auto world = tessera::comm::make_world_communicator(world_options);
     auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
-    tessera::comm::WorldOptions traced_options;
+    tessera::comm::WorldOptions traced_options = world_options;
     traced_options.trace = std::make_shared<tessera::comm::CommTrace>();
     auto traced_ctx = tessera::context::ParallelContext::create(tessera::comm::make_world_communicator(traced_options),
                                                                 tessera::context::ParallelConfig());
     const int dp = world->size();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + rank);
-    const at::Tensor x = at::randn({a.batch, a.hidden}, gen);
+    const at::Tensor x = at::randn({a.batch, a.hidden}, gen).to(device);
 
     int64_t psi = 0;
-    for (auto& p : mlp(a)->parameters()) psi += p.numel();
+    for (auto& p : mlp(a, c10::kCPU)->parameters()) psi += p.numel();
 
     // Baselines: plain LibTorch forward + backward on the local batch, and a
     // raw MPI_Allreduce of all gradients (what DDP must move).
-    auto plain = mlp(a);
+    auto plain = mlp(a, device);
     auto fwd_bwd = [&] {
       for (auto& p : plain->parameters())
         if (p.grad().defined()) p.mutable_grad().zero_();
       plain->forward(x).pow(2).mean().backward();
+      sync(device);
     };
     const double fwd_bwd_ms = bench::time_ms(fwd_bwd, a.timing());
     at::Tensor flat = at::randn({psi});
@@ -139,45 +191,64 @@ int main(int argc, char** argv) {
 
     for (const std::string& text : a.specs) {
       const ShardingSpec spec = ShardingSpec::parse(text);
-      const auto options = ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20);
-      auto net = mlp(a);
+      const auto options =
+          ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20).offload_params(a.offload == "params");
+      const auto opt_options = ShardedOptimizerOptions().offload(a.offload != "none");
+      sync(device);
+      const int64_t device_before = device_bytes(device).current;
+      auto net = mlp(a, device);
       auto sharded = std::make_shared<ShardedModule>(net.ptr(), ctx, options);
-      ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(net->parameters()));
+      ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(net->parameters()), opt_options);
       auto step = [&] {
         opt.zero_grad();
         sharded->forward(x).pow(2).mean().backward();
         opt.step();
+        sync(device);
       };
       const double step_ms = bench::time_ms(step, a.timing());
       sharded->reset_peak_bytes();
+      reset_device_peak(device);
       step();
       const int64_t peak = sharded->peak_bytes() + opt.state_bytes();
-
       const int64_t after_step = opt.memory().total();
+      const DeviceBytes on_device = device_bytes(device);
+      const int64_t device_after_step = device_before < 0 ? -1 : on_device.current - device_before;
+      const int64_t device_peak = device_before < 0 ? -1 : on_device.peak - device_before;
 
       // The same step with every reduction started after backward.
-      auto late_net = mlp(a);
+      auto late_net = mlp(a, device);
       auto late = std::make_shared<ShardedModule>(late_net.ptr(), ctx, ShardedModuleOptions(options).overlap(false));
-      ShardedOptimizer late_opt(late, std::make_shared<torch::optim::AdamW>(late_net->parameters()));
+      ShardedOptimizer late_opt(late, std::make_shared<torch::optim::AdamW>(late_net->parameters()), opt_options);
       const double no_overlap_ms = bench::time_ms(
           [&] {
             late_opt.zero_grad();
             late->forward(x).pow(2).mean().backward();
             late_opt.step();
+            sync(device);
           },
           a.timing());
 
       // Compute alone: forward + backward of the plain module on the local
       // batch, and the optimizer on this rank's own pieces.
       const auto d = sharded->degrees();
-      const double opt_ms = bench::time_ms([&] { opt.inner().step(); }, a.timing());
+      const double opt_ms = bench::time_ms(
+          [&] {
+            opt.inner().step();
+            sync(device);
+          },
+          a.timing());
       const double compute_ms = fwd_bwd_ms + opt_ms;
-      const double comm_ms = bench::time_ms([&] { comm_only_step(*sharded); }, a.timing());
+      const double comm_ms = bench::time_ms(
+          [&] {
+            comm_only_step(*sharded);
+            sync(device);
+          },
+          a.timing());
 
       // Bytes of one step, on a traced copy.
-      auto traced_net = mlp(a);
+      auto traced_net = mlp(a, device);
       auto traced = std::make_shared<ShardedModule>(traced_net.ptr(), traced_ctx, options);
-      ShardedOptimizer traced_opt(traced, std::make_shared<torch::optim::AdamW>(traced_net->parameters()));
+      ShardedOptimizer traced_opt(traced, std::make_shared<torch::optim::AdamW>(traced_net->parameters()), opt_options);
       traced_options.trace->reset();
       traced_opt.zero_grad();
       traced->forward(x).pow(2).mean().backward();
@@ -188,15 +259,17 @@ int main(int argc, char** argv) {
       const double overlap = (compute_ms + comm_ms - step_ms) / std::min(compute_ms, comm_ms);
       if (rank == 0) {
         fmt::print(
-            "{{\"spec\": \"{}\", \"spec_placements\": \"{}\", \"dp\": {}, \"params\": {}, \"step_ms\": {:.3f}, "
+            "{{\"spec\": \"{}\", \"spec_placements\": \"{}\", \"device\": \"{}\", \"backend\": \"{}\", "
+            "\"offload\": \"{}\", \"dp\": {}, \"params\": {}, \"step_ms\": {:.3f}, "
             "\"bytes_per_rank\": {:.0f}, \"peak_model_state_bytes\": {}, \"model_state_bytes_after_step\": {}, "
             "\"formula_model_state_bytes\": {:.0f}, "
             "\"compute_only_ms\": {:.3f}, \"comm_only_ms\": {:.3f}, \"overlap_efficiency\": {:.3f}, "
             "\"step_no_overlap_ms\": {:.3f}, "
             "\"fwd_bwd_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"raw_mpi_allreduce_ms\": {:.3f}, "
-            "\"buckets\": {}}}\n",
-            text, spec.to_string(), dp, psi, step_ms, bus_bytes, peak, after_step, formula, compute_ms, comm_ms,
-            overlap, no_overlap_ms, fwd_bwd_ms, opt_ms, raw_allreduce_ms, sharded->num_buckets());
+            "\"device_bytes_after_step\": {}, \"device_peak_bytes\": {}, \"buckets\": {}}}\n",
+            text, spec.to_string(), device.str(), world->backend(), a.offload, dp, psi, step_ms, bus_bytes, peak,
+            after_step, formula, compute_ms, comm_ms, overlap, no_overlap_ms, fwd_bwd_ms, opt_ms, raw_allreduce_ms,
+            device_after_step, device_peak, sharded->num_buckets());
         std::fflush(stdout);
       }
     }

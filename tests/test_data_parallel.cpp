@@ -27,6 +27,22 @@ constexpr double kRelTolerance = 1e-5;  // fp32, relative to the norm of the ser
 constexpr int64_t kGlobalBatch = 16;    // divides every data size tested (1, 2, 4, 8)
 constexpr int kSteps = 10;
 
+// TESSERA_TEST_DEVICE=cuda runs this file's tests on the GPU (ranks may share
+// one; the MPI backend stages CUDA buffers through host memory). TF32 is
+// turned off there: the comparisons are fp32 at 1e-5.
+c10::Device test_device() {
+  static const c10::Device device = [] {
+    const char* env = std::getenv("TESSERA_TEST_DEVICE");
+    c10::Device d(env != nullptr && *env != '\0' ? env : "cpu");
+    if (d.is_cuda()) {
+      at::globalContext().setAllowTF32CuBLAS(false);
+      at::globalContext().setAllowTF32CuDNN(false);
+    }
+    return d;
+  }();
+  return device;
+}
+
 // Sizes chosen so that no bucket divides evenly: padding is always exercised.
 struct MLPImpl : torch::nn::Module {
   MLPImpl()
@@ -48,15 +64,22 @@ enum class Net { kMLP, kConv };
 
 std::shared_ptr<torch::nn::Module> make_net(Net net) {
   torch::manual_seed(0);
-  if (net == Net::kMLP) return MLP().ptr();
-  return conv_net().ptr();
+  std::shared_ptr<torch::nn::Module> m;
+  if (net == Net::kMLP) {
+    m = MLP().ptr();
+  } else {
+    m = conv_net().ptr();
+  }
+  m->to(test_device());
+  return m;
 }
 
 at::Tensor inputs(Net net, int step) {
-  return net == Net::kMLP ? test::seeded_randn({kGlobalBatch, 11}, 100 + step)
-                          : test::seeded_randn({kGlobalBatch, 3, 8, 8}, 100 + step);
+  return (net == Net::kMLP ? test::seeded_randn({kGlobalBatch, 11}, 100 + step)
+                           : test::seeded_randn({kGlobalBatch, 3, 8, 8}, 100 + step))
+      .to(test_device());
 }
-at::Tensor targets(int step) { return test::seeded_randn({kGlobalBatch, 3}, 200 + step); }
+at::Tensor targets(int step) { return test::seeded_randn({kGlobalBatch, 3}, 200 + step).to(test_device()); }
 
 at::Tensor forward(Net net, torch::nn::Module& m, const at::Tensor& x) {
   if (net == Net::kMLP) return dynamic_cast<MLPImpl&>(m).forward(x);
