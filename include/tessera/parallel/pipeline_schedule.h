@@ -1,0 +1,82 @@
+#pragma once
+// Pipeline schedules as data: for each pipeline rank, the list of actions it
+// runs in one training step. Generators build GPipe, 1F1B, interleaved 1F1B
+// and zero-bubble H1 and H2 (Qi et al. 2023); the executor (pipeline_executor.h) runs any schedule
+// and the simulator (pipeline_simulator.h) checks any schedule. See
+// docs/pipeline.md.
+//
+// Note [Pipeline stages and messages]
+// A model cut into S = pp · v stages puts stage s on pipeline rank s % pp as
+// its local chunk s / pp (Megatron's interleaved layout; v = 1 is the plain
+// pipeline). Every action names a micro-batch and the stage it runs for on
+// its own rank:
+//   F  forward of the stage              B  backward (input and weight parts)
+//   I  backward, input gradient only     W  backward, weight gradient only
+//   SA send the stage's output to s + 1   RA receive the stage's input from s - 1
+//   SG send the gradient of the stage's input to s - 1
+//   RG receive the gradient of the stage's output from s + 1
+// so SA(mb, s) is matched by RA(mb, s + 1) and SG(mb, s) by RG(mb, s - 1).
+// Sends do not block (they complete by the end of the step); a receive
+// blocks until its message has arrived. A schedule is valid when, run that
+// way, every rank reaches its end: the simulator checks exactly that.
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace parallel {
+
+enum class ActionKind : unsigned char {
+  kForward,
+  kBackward,
+  kBackwardInput,
+  kBackwardWeight,
+  kSendActivation,
+  kRecvActivation,
+  kSendGrad,
+  kRecvGrad,
+};
+
+struct Action {
+  ActionKind kind;
+  int microbatch;
+  int stage;
+
+  bool is_compute() const { return kind <= ActionKind::kBackwardWeight; }
+  // "F3@1": kind, micro-batch, stage.
+  std::string to_string() const;
+  bool operator==(const Action& o) const { return kind == o.kind && microbatch == o.microbatch && stage == o.stage; }
+};
+
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1, kZeroBubbleH2 };
+
+// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2" (also "interleaved-1f1b", "zbh1", "zbh2").
+ScheduleKind parse_schedule_kind(const std::string& text);
+std::string to_string(ScheduleKind kind);
+
+struct Schedule {
+  std::string name;
+  int pp = 1;      // pipeline ranks
+  int chunks = 1;  // stages per rank (virtual stages)
+  int microbatches = 1;
+  std::vector<std::vector<Action>> ranks;  // [pp][actions in order]
+
+  int stages() const { return pp * chunks; }
+  int rank_of(int stage) const { return stage % pp; }
+  int chunk_of(int stage) const { return stage / pp; }
+  // One line per rank, compute actions only unless `communication`.
+  std::string to_string(bool communication = false) const;
+};
+
+// The schedule of `kind` for pp ranks, m micro-batches and `chunks` stages
+// per rank (interleaved only; the others take 1). Any m >= 1 is accepted;
+// with m < pp the pipeline never fills (the simulator reports the bubble).
+// Communication actions are included (insert_communication).
+Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks = 1);
+
+// Adds, around the compute actions of `compute_order` (one list per rank),
+// the receive right before the action that needs it and the send right after
+// the action that produces it.
+Schedule insert_communication(Schedule compute_order);
+
+}  // namespace parallel
+}  // namespace tessera

@@ -1,0 +1,38 @@
+#pragma once
+// Runs a pipeline schedule on paper (Note [Pipeline stages and messages]):
+// checks that every rank reaches its end and that each action comes after
+// what it needs, and reports the bubble and the activations each rank holds.
+#include "tessera/parallel/pipeline_schedule.h"
+
+#include <vector>
+
+namespace tessera {
+namespace parallel {
+
+// Time of one action of one stage; the same for every stage.
+struct ActionCosts {
+  double forward = 1.0;
+  double backward = 2.0;         // B
+  double backward_input = 1.0;   // I
+  double backward_weight = 1.0;  // W
+  double message = 0.0;          // from a send to the matching receive's earliest completion
+};
+
+struct Simulation {
+  double makespan = 0;
+  std::vector<double> busy;  // per rank, compute time
+  // 1 - sum(busy) / (pp · makespan): the fraction of rank time spent idle.
+  double bubble = 0;
+  // Per rank, the most micro-batch stages whose forward has run and whose
+  // backward (B, or W after I) has not: activations held at once.
+  std::vector<int> peak_inflight;
+};
+
+// Throws c10::Error naming the schedule, the rank, the position and the
+// action when an action is on the wrong rank, repeats, comes before what it
+// needs, a send is never received, a compute action is missing, or the ranks
+// deadlock (every unfinished rank waits for a message nobody will send).
+Simulation simulate(const Schedule& schedule, const ActionCosts& costs = {});
+
+}  // namespace parallel
+}  // namespace tessera

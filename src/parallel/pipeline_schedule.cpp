@@ -1,0 +1,316 @@
+#include "tessera/parallel/pipeline_schedule.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <deque>
+#include <limits>
+#include <sstream>
+
+namespace tessera {
+namespace parallel {
+
+namespace {
+
+const char* short_name(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::kForward:
+      return "F";
+    case ActionKind::kBackward:
+      return "B";
+    case ActionKind::kBackwardInput:
+      return "I";
+    case ActionKind::kBackwardWeight:
+      return "W";
+    case ActionKind::kSendActivation:
+      return "SA";
+    case ActionKind::kRecvActivation:
+      return "RA";
+    case ActionKind::kSendGrad:
+      return "SG";
+    case ActionKind::kRecvGrad:
+      return "RG";
+  }
+  return "?";
+}
+
+// Note [Generating schedules]
+// Each generator is a list scheduler run on uniform costs (F = 1, I = W = 1,
+// B = 2): every rank has an order of forwards and an order of backwards, and
+// at each moment the rank whose next action can start earliest runs the
+// action its policy prefers among those whose inputs have arrived:
+//   GPipe        all forwards, then the backwards;
+//   1F1B         backward first; at most min(pp - r, m) forwards in flight;
+//   interleaved  the same with Megatron's orders (micro-batches in groups of
+//                pp, chunk by chunk) and its warm-up 2(pp - r - 1) + (v - 1)pp;
+//   ZB-H1        1F1B with B split into I and W: I first, then F, W when
+//                nothing else is ready or pp weight passes are pending; a
+//                micro-batch is in flight until its W, so the limit keeps
+//                1F1B's activation memory;
+//   ZB-H2        the same, but a micro-batch leaves the in-flight count at
+//                its I: forwards run ahead of pending W's, whose activations
+//                stay (up to about 2pp micro-batches), and the W's fill the
+//                bubbles; with F = I = W the bubble is (pp - 1)/(3m + pp - 1)
+//                against ZB-H1's 2(pp - 1)/(3m + 2(pp - 1)).
+// Because an action is only placed once what it needs has run, the orders
+// are deadlock-free by construction for any m, also where the closed-form
+// schedules assume pp divides m. If the in-flight limits ever leave no rank
+// able to move, the limits are raised by one and the run continues.
+class Generator {
+ public:
+  Generator(ScheduleKind kind, int pp, int m, int v) : kind_(kind), pp_(pp), m_(m), v_(v), stages_(pp * v) {
+    fwd_done_.assign(stages_, std::vector<double>(m_, kUnknown));
+    bwd_done_.assign(stages_, std::vector<double>(m_, kUnknown));
+    ranks_.resize(pp_);
+    for (int r = 0; r < pp_; ++r) init_rank(r);
+  }
+
+  Schedule run() {
+    Schedule s;
+    s.name = to_string(kind_);
+    s.pp = pp_;
+    s.chunks = v_;
+    s.microbatches = m_;
+    s.ranks.resize(pp_);
+    while (true) {
+      int best_rank = -1;
+      double best_start = std::numeric_limits<double>::infinity();
+      Action best{};
+      bool work_left = false;
+      for (int r = 0; r < pp_; ++r) {
+        RankState& st = ranks_[r];
+        if (st.finished()) continue;
+        work_left = true;
+        Action a{};
+        double start = 0;
+        if (choose(r, &a, &start) && start < best_start) {
+          best_start = start;
+          best_rank = r;
+          best = a;
+        }
+      }
+      if (!work_left) break;
+      if (best_rank < 0) {
+        relax_limits();
+        continue;
+      }
+      execute(best_rank, best, best_start);
+      s.ranks[best_rank].push_back(best);
+    }
+    return s;
+  }
+
+ private:
+  static constexpr double kUnknown = -1.0;
+
+  struct RankState {
+    std::vector<std::pair<int, int>> forwards, backwards;  // (micro-batch, chunk) in order
+    size_t next_f = 0, next_b = 0;
+    std::deque<std::pair<int, int>> pending_w;
+    int inflight = 0, limit = 0;
+    double free_at = 0;
+    bool finished() const { return next_f == forwards.size() && next_b == backwards.size() && pending_w.empty(); }
+  };
+
+  void init_rank(int r) {
+    RankState& st = ranks_[r];
+    if (kind_ == ScheduleKind::kInterleaved1F1B) {
+      for (int g = 0; g * pp_ < m_; ++g) {
+        const int end = std::min(m_, (g + 1) * pp_);
+        for (int c = 0; c < v_; ++c)
+          for (int mb = g * pp_; mb < end; ++mb) st.forwards.emplace_back(mb, c);
+        for (int c = v_ - 1; c >= 0; --c)
+          for (int mb = g * pp_; mb < end; ++mb) st.backwards.emplace_back(mb, c);
+      }
+      st.limit = std::min(m_ * v_, 2 * (pp_ - r - 1) + (v_ - 1) * pp_ + 1);
+    } else {
+      for (int mb = 0; mb < m_; ++mb) {
+        st.forwards.emplace_back(mb, 0);
+        st.backwards.emplace_back(mb, 0);
+      }
+      st.limit = kind_ == ScheduleKind::kGPipe ? m_ : std::min(m_, pp_ - r);
+    }
+  }
+
+  int stage(int r, int chunk) const { return chunk * pp_ + r; }
+
+  // The action rank r prefers and when it can start; false if none can be
+  // placed yet (inputs not produced, or the in-flight limit reached).
+  bool choose(int r, Action* out, double* start) {
+    RankState& st = ranks_[r];
+    const bool split = kind_ == ScheduleKind::kZeroBubbleH1 || kind_ == ScheduleKind::kZeroBubbleH2;
+    struct Candidate {
+      Action action;
+      double ready;
+      int priority;  // lower is preferred
+    };
+    std::vector<Candidate> cands;
+    if (st.next_f < st.forwards.size() && st.inflight < st.limit) {
+      const auto [mb, c] = st.forwards[st.next_f];
+      const int s = stage(r, c);
+      const double ready = s == 0 ? 0.0 : fwd_done_[s - 1][mb];
+      // 1F1B and ZB-H1 prefer the backward; GPipe and interleaved (whose
+      // steady state is Megatron's "one forward, then one backward") the forward.
+      const bool forward_first = kind_ == ScheduleKind::kGPipe || kind_ == ScheduleKind::kInterleaved1F1B;
+      if (ready != kUnknown) cands.push_back({{ActionKind::kForward, mb, s}, ready, forward_first ? 0 : 1});
+    }
+    const bool backward_allowed = kind_ != ScheduleKind::kGPipe || st.next_f == st.forwards.size();
+    if (st.next_b < st.backwards.size() && backward_allowed) {
+      const auto [mb, c] = st.backwards[st.next_b];
+      const int s = stage(r, c);
+      const double own = fwd_done_[s][mb];
+      const double ready = s == stages_ - 1 ? own : (own == kUnknown ? kUnknown : bwd_done_[s + 1][mb]);
+      if (ready != kUnknown) {
+        cands.push_back({{split ? ActionKind::kBackwardInput : ActionKind::kBackward, mb, s},
+                         std::max(ready, own),
+                         kind_ == ScheduleKind::kGPipe || kind_ == ScheduleKind::kInterleaved1F1B ? 1 : 0});
+      }
+    }
+    if (!st.pending_w.empty()) {
+      const auto [mb, s] = st.pending_w.front();
+      const bool forced = static_cast<int>(st.pending_w.size()) >= pp_;
+      cands.push_back({{ActionKind::kBackwardWeight, mb, s}, 0.0, forced ? -1 : 2});
+    }
+    if (cands.empty()) return false;
+    double earliest = std::numeric_limits<double>::infinity();
+    for (const auto& c : cands) earliest = std::min(earliest, std::max(st.free_at, c.ready));
+    const Candidate* pick = nullptr;
+    for (const auto& c : cands) {
+      if (std::max(st.free_at, c.ready) > earliest) continue;
+      if (pick == nullptr || c.priority < pick->priority) pick = &c;
+    }
+    *out = pick->action;
+    *start = earliest;
+    return true;
+  }
+
+  void execute(int r, const Action& a, double start) {
+    RankState& st = ranks_[r];
+    double cost = 1.0;
+    switch (a.kind) {
+      case ActionKind::kForward:
+        ++st.next_f;
+        ++st.inflight;
+        fwd_done_[a.stage][a.microbatch] = start + cost;
+        break;
+      case ActionKind::kBackward:
+        cost = 2.0;
+        [[fallthrough]];
+      case ActionKind::kBackwardInput:
+        ++st.next_b;
+        // ZB-H1 counts a micro-batch in flight until its W (1F1B's memory),
+        // ZB-H2 until its I (W may wait: more memory, smaller bubble).
+        if (a.kind == ActionKind::kBackward || kind_ == ScheduleKind::kZeroBubbleH2) --st.inflight;
+        bwd_done_[a.stage][a.microbatch] = start + cost;
+        if (a.kind == ActionKind::kBackwardInput) st.pending_w.emplace_back(a.microbatch, a.stage);
+        break;
+      case ActionKind::kBackwardWeight:
+        st.pending_w.pop_front();
+        if (kind_ == ScheduleKind::kZeroBubbleH1) --st.inflight;
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "generator placed a communication action");
+    }
+    st.free_at = start + cost;
+  }
+
+  void relax_limits() {
+    bool raised = false;
+    for (auto& st : ranks_) {
+      if (st.next_f < st.forwards.size() && st.inflight >= st.limit) {
+        ++st.limit;
+        raised = true;
+      }
+    }
+    TORCH_INTERNAL_ASSERT(raised, "pipeline schedule generator is stuck with no in-flight limit to raise");
+  }
+
+  ScheduleKind kind_;
+  int pp_, m_, v_, stages_;
+  std::vector<std::vector<double>> fwd_done_, bwd_done_;  // [stage][micro-batch] completion time
+  std::vector<RankState> ranks_;
+};
+
+}  // namespace
+
+std::string Action::to_string() const {
+  return std::string(short_name(kind)) + std::to_string(microbatch) + "@" + std::to_string(stage);
+}
+
+ScheduleKind parse_schedule_kind(const std::string& text) {
+  std::string t;
+  for (char c : text) t += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (t == "gpipe") return ScheduleKind::kGPipe;
+  if (t == "1f1b") return ScheduleKind::k1F1B;
+  if (t == "interleaved" || t == "interleaved-1f1b" || t == "interleaved1f1b") return ScheduleKind::kInterleaved1F1B;
+  if (t == "zb-h1" || t == "zbh1") return ScheduleKind::kZeroBubbleH1;
+  if (t == "zb-h2" || t == "zbh2") return ScheduleKind::kZeroBubbleH2;
+  TORCH_CHECK(false, "unknown pipeline schedule '", text, "'; schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2");
+}
+
+std::string to_string(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kGPipe:
+      return "gpipe";
+    case ScheduleKind::k1F1B:
+      return "1f1b";
+    case ScheduleKind::kInterleaved1F1B:
+      return "interleaved";
+    case ScheduleKind::kZeroBubbleH1:
+      return "zb-h1";
+    case ScheduleKind::kZeroBubbleH2:
+      return "zb-h2";
+  }
+  return "?";
+}
+
+std::string Schedule::to_string(bool communication) const {
+  std::ostringstream os;
+  for (int r = 0; r < pp; ++r) {
+    os << "rank " << r << ":";
+    for (const Action& a : ranks[r])
+      if (communication || a.is_compute()) os << " " << a.to_string();
+    os << "\n";
+  }
+  return os.str();
+}
+
+Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks) {
+  const std::string name = to_string(kind);
+  TORCH_CHECK(pp >= 1, "pipeline schedule ", name, ": the pipeline size must be >= 1, got ", pp);
+  TORCH_CHECK(microbatches >= 1, "pipeline schedule ", name, ": the number of micro-batches must be >= 1, got ",
+              microbatches);
+  if (kind == ScheduleKind::kInterleaved1F1B) {
+    TORCH_CHECK(chunks >= 2, "pipeline schedule interleaved needs chunks (stages per rank) >= 2, got ", chunks,
+                "; with one chunk per rank use 1f1b");
+  } else {
+    TORCH_CHECK(chunks == 1, "pipeline schedule ", name, " runs one chunk per rank, got chunks = ", chunks,
+                "; use the interleaved schedule for virtual stages");
+  }
+  return insert_communication(Generator(kind, pp, microbatches, chunks).run());
+}
+
+Schedule insert_communication(Schedule s) {
+  const int last = s.stages() - 1;
+  for (auto& actions : s.ranks) {
+    std::vector<Action> out;
+    out.reserve(actions.size() * 2);
+    for (const Action& a : actions) {
+      if (!a.is_compute()) continue;  // regenerated below
+      const bool backward = a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
+      if (a.kind == ActionKind::kForward && a.stage > 0)
+        out.push_back({ActionKind::kRecvActivation, a.microbatch, a.stage});
+      if (backward && a.stage < last) out.push_back({ActionKind::kRecvGrad, a.microbatch, a.stage});
+      out.push_back(a);
+      if (a.kind == ActionKind::kForward && a.stage < last)
+        out.push_back({ActionKind::kSendActivation, a.microbatch, a.stage});
+      if (backward && a.stage > 0) out.push_back({ActionKind::kSendGrad, a.microbatch, a.stage});
+    }
+    actions = std::move(out);
+  }
+  return s;
+}
+
+}  // namespace parallel
+}  // namespace tessera
