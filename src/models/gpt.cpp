@@ -82,6 +82,52 @@ class GPTBlockImpl : public torch::nn::Module {
   int64_t head_dim_;
 };
 
+namespace {
+
+// ids [b, s] -> the first block's input.
+at::Tensor embed(nn::LayerFactory& f, const GPTConfig& c, torch::nn::AnyModule& wte, torch::nn::AnyModule& wpe,
+                 torch::nn::AnyModule& drop, const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2, "GPT expects token ids [batch, sequence], got shape ", ids.sizes());
+  const int64_t s = ids.size(1);
+  TORCH_CHECK(s <= c.context, "sequence length ", s, " exceeds the context length ", c.context);
+  at::Tensor positions = f.positions(s).to(ids.device());
+  return drop.forward(wte.forward(ids) + wpe.forward(positions));
+}
+
+// The pipeline's first and last layers (GPTImpl::as_sequential).
+class GPTEmbeddingImpl : public torch::nn::Module {
+ public:
+  GPTEmbeddingImpl(GPTConfig c, std::shared_ptr<nn::LayerFactory> f, torch::nn::AnyModule wte, torch::nn::AnyModule wpe,
+                   torch::nn::AnyModule drop)
+      : c_(c), f_(std::move(f)), wte_(std::move(wte)), wpe_(std::move(wpe)), drop_(std::move(drop)) {
+    register_module("wte", wte_.ptr());
+    register_module("wpe", wpe_.ptr());
+    register_module("drop", drop_.ptr());
+  }
+  at::Tensor forward(const at::Tensor& ids) { return embed(*f_, c_, wte_, wpe_, drop_, ids); }
+
+ private:
+  GPTConfig c_;
+  std::shared_ptr<nn::LayerFactory> f_;
+  torch::nn::AnyModule wte_, wpe_, drop_;
+};
+
+class GPTHeadImpl : public torch::nn::Module {
+ public:
+  GPTHeadImpl(std::shared_ptr<nn::LayerFactory> f, torch::nn::AnyModule ln_f, torch::nn::AnyModule lm, bool tied)
+      : f_(std::move(f)), ln_f_(std::move(ln_f)), lm_(std::move(lm)) {
+    register_module("ln_f", ln_f_.ptr());
+    register_module(tied ? "wte" : "lm_head", lm_.ptr());
+  }
+  at::Tensor forward(const at::Tensor& x) { return f_->lm_logits(ln_f_.forward(x), lm_); }
+
+ private:
+  std::shared_ptr<nn::LayerFactory> f_;
+  torch::nn::AnyModule ln_f_, lm_;
+};
+
+}  // namespace
+
 GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> factory)
     : config_(config), factory_(std::move(factory)) {
   TORCH_CHECK(factory_ != nullptr, "GPT needs a layer factory");
@@ -124,14 +170,18 @@ void GPTImpl::reset_parameters() {
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2, "GPT expects token ids [batch, sequence], got shape ", ids.sizes());
-  const int64_t s = ids.size(1);
-  TORCH_CHECK(s <= config_.context, "sequence length ", s, " exceeds the context length ", config_.context);
-  at::Tensor positions = factory_->positions(s).to(ids.device());
-  at::Tensor x = drop_.forward(wte_.forward(ids) + wpe_.forward(positions));
+  at::Tensor x = embed(*factory_, config_, wte_, wpe_, drop_, ids);
   for (auto& block : blocks_) x = block->forward(x);
   x = ln_f_.forward(x);
   return factory_->lm_logits(x, config_.tied ? wte_ : lm_head_);
+}
+
+torch::nn::Sequential GPTImpl::as_sequential() {
+  torch::nn::Sequential seq;
+  seq->push_back("embed", std::make_shared<GPTEmbeddingImpl>(config_, factory_, wte_, wpe_, drop_));
+  for (size_t i = 0; i < blocks_.size(); ++i) seq->push_back("h" + std::to_string(i), blocks_[i]);
+  seq->push_back("head", std::make_shared<GPTHeadImpl>(factory_, ln_f_, config_.tied ? wte_ : lm_head_, config_.tied));
+  return seq;
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) {

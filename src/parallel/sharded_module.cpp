@@ -412,6 +412,13 @@ at::Tensor ShardedModule::forward(const at::Tensor& input) {
 
 void ShardedModule::set_gradient_sync(bool sync) { state_->sync = sync; }
 bool ShardedModule::gradient_sync() const { return state_->sync; }
+void ShardedModule::reduce_gradients() {
+  ShardState& s = *state_;
+  s.finish();  // anything a synchronized backward left running
+  s.reductions_pending = true;
+  s.finish();
+}
+
 void ShardedModule::finish_gradient_sync() { state_->finish(); }
 
 void ShardedModule::zero_grad() {

@@ -16,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
 #include <map>
@@ -48,6 +49,12 @@ class GPTImpl : public torch::nn::Module {
   // ids [b, s] (full, s <= context) -> logits on this rank's vocabulary
   // shard, [b, s, vocab shard] (full sequence in every mode's 1D variant).
   at::Tensor forward(const at::Tensor& ids);
+  // The model as a sequence of layers, for pipelining: "embed" (token and
+  // position embeddings, dropout; ids -> activations), "h0" ... "h{N-1}",
+  // "head" (final LayerNorm and the LM logits; it holds the token embedding
+  // when tied). The layers share this model's parameters and, inside each
+  // layer, its parameter names ("embed" and "head" add no prefix).
+  torch::nn::Sequential as_sequential();
   // Mean cross entropy of the logits against targets [b, s].
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets);
   // After backward: sums gradients that are partial in this mode. Under

@@ -127,6 +127,11 @@ class ShardedModule {
   void set_gradient_sync(bool sync);
   bool gradient_sync() const;
 
+  // Reduces now what backward passes accumulated with gradient sync off, as
+  // a synchronized backward would have: for callers whose gradients come
+  // from several autograd passes rather than one (a pipeline stage's
+  // micro-batches). Collective over the data group.
+  void reduce_gradients();
   // Waits for the reductions of the last backward (ShardedOptimizer::step calls it).
   void finish_gradient_sync();
   // Zeroes the gradients (full and sharded); never sets them to none.

@@ -1,0 +1,93 @@
+#pragma once
+// Runs one pipeline schedule (pipeline_schedule.h) over a model given as a
+// torch::nn::Sequential of layers: this rank keeps the layers of its stages,
+// runs the schedule's actions for a batch cut into micro-batches, exchanges
+// activations and gradients with its neighbours (shapes and dtypes agreed at
+// run time), and leaves the batch's gradients in the local parameters' .grad
+// for the caller's optimizer. See docs/pipeline.md.
+//
+// Note [Pipeline loss and tied weights]
+// The last stage divides each micro-batch's loss by the number of
+// micro-batches before its backward, so with equal micro-batches the
+// gradients are those of the mean loss over the batch, as the serial model
+// computes it. Parameters that the first and the last stage share (GPT's
+// token embedding and tied LM head) live on two ranks; after the schedule
+// their gradients are summed over those ranks, so both copies take the
+// same optimizer step and stay equal.
+#include "tessera/comm/communicator.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/parallel/pipeline_schedule.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace parallel {
+
+enum class PartitionMethod { kLayerCount, kParameterCount, kSizes };
+
+struct PipelineOptions {
+  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::k1F1B;
+  TORCH_ARG(int, microbatches) = 1;
+  // Stages per rank (interleaved schedules only).
+  TORCH_ARG(int, chunks) = 1;
+  TORCH_ARG(PartitionMethod, partition) = PartitionMethod::kLayerCount;
+  // Layers per stage, for PartitionMethod::kSizes.
+  TORCH_ARG(std::vector<int64_t>, stage_sizes) = {};
+  // The pipeline group; the context's pipeline group when null.
+  TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
+};
+
+// (output of the last layer for a micro-batch, that micro-batch's targets) -> its mean loss.
+using PipelineLossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+class PipelineExecutor {
+ public:
+  // Collective over the pipeline group. `model` must be built alike on every
+  // pipeline rank (same layers, same initial values).
+  PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx, PipelineLossFn loss,
+                   PipelineOptions options = {});
+  ~PipelineExecutor();
+
+  // Forward and backward of the batch (rows split into micro-batches along
+  // dim 0; `inputs` matter on the first stage, `targets` on the last, other
+  // ranks may pass them too). Gradients accumulate into the local
+  // parameters' .grad. Returns the batch's mean loss on every pipeline rank.
+  double run(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // The parameters of this rank's stages, each once: give them to the optimizer.
+  std::vector<at::Tensor> parameters() const;
+  // The layers of this rank's stages, with the model's names ("h3", ...).
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> local_layers() const;
+  const Schedule& schedule() const { return schedule_; }
+  // Stage s holds layers [bounds[s], bounds[s + 1]).
+  const std::vector<int64_t>& stage_bounds() const { return bounds_; }
+  const comm::CommunicatorPtr& group() const { return group_; }
+  // Seconds this rank spent waiting for messages in the last run().
+  double last_wait_seconds() const { return wait_seconds_; }
+
+ private:
+  struct Impl;
+  void run_action(const Action& a);
+
+  PipelineOptions options_;
+  comm::CommunicatorPtr group_;
+  comm::CommunicatorPtr tied_group_;  // first and last stage ranks, when they differ
+  PipelineLossFn loss_;
+  Schedule schedule_;
+  std::vector<int64_t> bounds_;
+  std::map<int, torch::nn::Sequential> chunks_;  // stage -> its layers, for this rank's stages
+  std::vector<at::Tensor> tied_;                 // parameters shared by the first and the last stage
+  std::unique_ptr<Impl> impl_;
+  double wait_seconds_ = 0;
+};
+
+}  // namespace parallel
+}  // namespace tessera

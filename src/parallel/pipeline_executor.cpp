@@ -1,0 +1,315 @@
+#include "tessera/parallel/pipeline_executor.h"
+
+#include "tessera/parallel/pipeline_partition.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <set>
+#include <tuple>
+
+namespace tessera {
+namespace parallel {
+
+namespace {
+
+constexpr int kMaxDims = 8;
+constexpr int kTagLimit = 32767;  // the least MPI_TAG_UB the standard allows
+
+// A message's header: dtype, number of dimensions, sizes. Receivers learn
+// the shape and dtype of every activation and gradient from it.
+at::Tensor make_header(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() <= kMaxDims, "pipeline: a stage output has ", t.dim(), " dimensions; at most ", kMaxDims,
+              " can be exchanged");
+  at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
+  auto a = h.accessor<int64_t, 1>();
+  a[0] = static_cast<int64_t>(t.scalar_type());
+  a[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) a[2 + d] = t.size(d);
+  return h;
+}
+
+at::Tensor empty_from_header(const at::Tensor& h, const c10::Device& device) {
+  auto a = h.accessor<int64_t, 1>();
+  std::vector<int64_t> sizes;
+  for (int64_t d = 0; d < a[1]; ++d) sizes.push_back(a[2 + d]);
+  return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(a[0])).device(device));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+struct PipelineExecutor::Impl {
+  struct Slot {
+    at::Tensor input, output, grad_output, input_grad;
+  };
+  using Key = std::pair<int, int>;                // (micro-batch, stage)
+  using MessageKey = std::tuple<bool, int, int>;  // (activation, micro-batch, receiving stage)
+  std::map<Key, Slot> slots;
+  std::vector<at::Tensor> inputs, targets;                  // per micro-batch
+  std::vector<std::pair<comm::WorkPtr, at::Tensor>> sends;  // completed at the end of run()
+  std::map<MessageKey, at::Tensor> mailbox;                 // messages to this rank's own stages
+  double loss = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx,
+                                   PipelineLossFn loss, PipelineOptions options)
+    : options_(std::move(options)), loss_(std::move(loss)), impl_(std::make_unique<Impl>()) {
+  group_ = options_.group() ? options_.group() : ctx->comm(context::ParallelMode::kPipeline);
+  TORCH_CHECK(loss_ != nullptr, "pipeline: a loss function is needed");
+  schedule_ = make_schedule(options_.schedule(), group_->size(), options_.microbatches(), options_.chunks());
+  const int stages = schedule_.stages();
+  const int64_t n = static_cast<int64_t>(model->size());
+  switch (options_.partition()) {
+    case PartitionMethod::kLayerCount:
+      bounds_ = partition_by_count(n, stages);
+      break;
+    case PartitionMethod::kParameterCount: {
+      std::vector<double> weights;
+      for (const auto& child : model->children()) {
+        double w = 0;
+        for (const auto& p : child->parameters()) w += static_cast<double>(p.numel());
+        weights.push_back(w);
+      }
+      bounds_ = partition_by_weight(weights, stages);
+      break;
+    }
+    case PartitionMethod::kSizes:
+      bounds_ = partition_by_sizes(options_.stage_sizes(), n, stages);
+      break;
+  }
+  const auto names = model->named_children().keys();
+  auto stage_params = [&](int s) {
+    std::set<const c10::TensorImpl*> out;
+    for (int64_t i = bounds_[s]; i < bounds_[s + 1]; ++i)
+      for (const auto& p : model->ptr(i)->parameters()) out.insert(p.unsafeGetTensorImpl());
+    return out;
+  };
+  for (int s = 0; s < stages; ++s) {
+    if (schedule_.rank_of(s) != group_->rank()) continue;
+    torch::nn::Sequential chunk;
+    for (int64_t i = bounds_[s]; i < bounds_[s + 1]; ++i) chunk->push_back(names[i], *(model->begin() + i));
+    chunks_.emplace(s, chunk);
+  }
+  // Note [Pipeline loss and tied weights]: parameters of both end stages.
+  if (stages > 1) {
+    const auto last = stage_params(stages - 1);
+    for (int64_t i = bounds_[0]; i < bounds_[1]; ++i)
+      for (const auto& p : model->ptr(i)->parameters())
+        if (last.count(p.unsafeGetTensorImpl())) tied_.push_back(p);
+    const int first_rank = schedule_.rank_of(0), last_rank = schedule_.rank_of(stages - 1);
+    const bool holder = group_->rank() == first_rank || group_->rank() == last_rank;
+    if (first_rank != last_rank) tied_group_ = group_->split(holder ? 0 : -1, group_->rank(), "pipeline.tied");
+    if (!holder) tied_.clear();
+  }
+  for (const auto& p : parameters()) {
+    impl_->device = p.device();
+    break;
+  }
+  const int tags = 2 * stages * options_.microbatches() * 2;
+  TORCH_CHECK(tags <= kTagLimit, "pipeline: ", stages, " stages x ", options_.microbatches(), " micro-batches need ",
+              tags, " message tags, more than the ", kTagLimit, " MPI guarantees");
+}
+
+PipelineExecutor::~PipelineExecutor() = default;
+
+std::vector<at::Tensor> PipelineExecutor::parameters() const {
+  std::vector<at::Tensor> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& [s, chunk] : chunks_)
+    for (const auto& p : chunk->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> PipelineExecutor::local_layers() const {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+  for (const auto& [s, chunk] : chunks_)
+    for (const auto& item : chunk->named_children()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+namespace {
+
+int message_tag(bool activation, int microbatch, int stage, int part, int stages, int microbatches) {
+  return (((activation ? 0 : 1) * stages + stage) * microbatches + microbatch) * 2 + part;
+}
+
+}  // namespace
+
+double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets) {
+  Impl& st = *impl_;
+  const int m = options_.microbatches(), stages = schedule_.stages(), me = group_->rank();
+  auto split = [&](const at::Tensor& t, const char* what) {
+    std::vector<at::Tensor> out;
+    if (!t.defined()) return out;
+    TORCH_CHECK(t.dim() >= 1 && t.size(0) % m == 0, "pipeline: the batch's ", what, " have ",
+                t.dim() >= 1 ? t.size(0) : 0, " rows, which do not split into ", m,
+                " equal micro-batches; use a batch size divisible by the number of micro-batches");
+    for (int i = 0; i < m; ++i) out.push_back(t.narrow(0, i * (t.size(0) / m), t.size(0) / m));
+    return out;
+  };
+  st.inputs = split(inputs, "inputs");
+  st.targets = split(targets, "targets");
+  TORCH_CHECK(!chunks_.count(0) || !st.inputs.empty(), "pipeline: the first stage needs the inputs");
+  TORCH_CHECK(!chunks_.count(stages - 1) || !st.targets.empty(), "pipeline: the last stage needs the targets");
+  st.loss = 0;
+  wait_seconds_ = 0;
+
+  const auto& actions = schedule_.ranks[me];
+  size_t i = 0;
+  while (i < actions.size()) {
+    if (actions[i].is_compute()) {
+      run_action(actions[i++]);
+      continue;
+    }
+    // A run of consecutive messages is posted together: sends go out at
+    // once, headers of all receives are awaited, then all payloads.
+    struct Pending {
+      Action action;
+      at::Tensor header, payload;
+      comm::WorkPtr work;
+    };
+    std::vector<Pending> recvs;
+    for (; i < actions.size() && !actions[i].is_compute(); ++i) {
+      const Action& a = actions[i];
+      const bool act = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation;
+      if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGrad) {
+        Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
+        at::Tensor t = (act ? slot.output : slot.input_grad).detach().contiguous();
+        const int to = act ? a.stage + 1 : a.stage - 1;
+        if (schedule_.rank_of(to) == me) {
+          st.mailbox[{act, a.microbatch, to}] = t;
+        } else {
+          comm::SendOptions o;
+          o.async = true;
+          o.tag = message_tag(act, a.microbatch, to, 0, stages, m);
+          at::Tensor header = make_header(t);
+          st.sends.emplace_back(group_->send(header, schedule_.rank_of(to), o), header);
+          o.tag += 1;
+          st.sends.emplace_back(group_->send(t, schedule_.rank_of(to), o), t);
+        }
+        if (!act) slot.input_grad = at::Tensor();
+      } else {
+        const int from = act ? a.stage - 1 : a.stage + 1;
+        Pending p{a, {}, {}, nullptr};
+        if (schedule_.rank_of(from) != me) {
+          comm::RecvOptions o;
+          o.async = true;
+          o.tag = message_tag(act, a.microbatch, a.stage, 0, stages, m);
+          p.header = at::empty({2 + kMaxDims}, at::kLong);
+          p.work = group_->recv(p.header, schedule_.rank_of(from), o);
+        }
+        recvs.push_back(std::move(p));
+      }
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& p : recvs) {
+      if (!p.work) continue;
+      p.work->wait();
+      const bool act = p.action.kind == ActionKind::kRecvActivation;
+      const int from = act ? p.action.stage - 1 : p.action.stage + 1;
+      p.payload = empty_from_header(p.header, st.device);
+      comm::RecvOptions o;
+      o.async = true;
+      o.tag = message_tag(act, p.action.microbatch, p.action.stage, 1, stages, m);
+      p.work = group_->recv(p.payload, schedule_.rank_of(from), o);
+    }
+    for (auto& p : recvs) {
+      const bool act = p.action.kind == ActionKind::kRecvActivation;
+      if (p.work) {
+        p.work->wait();
+      } else {
+        auto it = st.mailbox.find({act, p.action.microbatch, p.action.stage});
+        TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", p.action.to_string());
+        p.payload = it->second;
+        st.mailbox.erase(it);
+      }
+      Impl::Slot& slot = st.slots[{p.action.microbatch, p.action.stage}];
+      if (act) {
+        slot.input = p.payload.detach();
+        if (slot.input.is_floating_point()) slot.input.requires_grad_(true);
+      } else {
+        slot.grad_output = p.payload;
+      }
+    }
+    wait_seconds_ += seconds_since(t0);
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& s : st.sends) s.first->wait();
+  st.sends.clear();
+  wait_seconds_ += seconds_since(t0);
+  TORCH_INTERNAL_ASSERT(st.mailbox.empty(), "pipeline: ", st.mailbox.size(), " local messages never received");
+  st.slots.clear();
+
+  if (tied_group_ && !tied_.empty()) {
+    for (auto& p : tied_) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      at::Tensor g = p.mutable_grad();
+      tied_group_->all_reduce(g);
+    }
+  }
+  at::Tensor loss = at::tensor({st.loss}, at::kDouble);
+  comm::BroadcastOptions b;
+  b.root = schedule_.rank_of(stages - 1);
+  group_->broadcast(loss, b);
+  return loss.item<double>();
+}
+
+void PipelineExecutor::run_action(const Action& a) {
+  Impl& st = *impl_;
+  const int last = schedule_.stages() - 1;
+  Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
+  const bool is_last = a.stage == last;
+  // The tensor the backward starts from and its gradient (none for the loss).
+  auto roots = [&] {
+    return std::make_pair(
+        torch::autograd::variable_list{slot.output},
+        is_last ? torch::autograd::variable_list{} : torch::autograd::variable_list{slot.grad_output});
+  };
+  switch (a.kind) {
+    case ActionKind::kForward: {
+      at::Tensor in = a.stage == 0 ? st.inputs[a.microbatch] : slot.input;
+      at::Tensor out = chunks_.at(a.stage)->forward(in);
+      if (is_last) {
+        out = loss_(out, st.targets[a.microbatch]) / options_.microbatches();
+        st.loss += out.item<double>();
+      }
+      slot.output = out;
+      break;
+    }
+    case ActionKind::kBackward: {
+      auto [outputs, grads] = roots();
+      torch::autograd::backward(outputs, grads);
+      if (a.stage > 0) slot.input_grad = slot.input.grad();
+      slot.output = slot.grad_output = slot.input = at::Tensor();
+      break;
+    }
+    case ActionKind::kBackwardInput: {
+      if (a.stage == 0) break;  // token ids need no gradient; W does the whole backward
+      auto [outputs, grads] = roots();
+      slot.input_grad = torch::autograd::grad(outputs, {slot.input}, grads, /*retain_graph=*/true)[0];
+      break;
+    }
+    case ActionKind::kBackwardWeight: {
+      auto [outputs, grads] = roots();
+      std::vector<at::Tensor> params;
+      for (const auto& p : chunks_.at(a.stage)->parameters())
+        if (p.requires_grad()) params.push_back(p);
+      torch::autograd::backward(outputs, grads, /*retain_graph=*/false, /*create_graph=*/false, params);
+      slot.output = slot.grad_output = slot.input = at::Tensor();
+      break;
+    }
+    default:
+      TORCH_INTERNAL_ASSERT(false, "pipeline: ", a.to_string(), " is not a compute action");
+  }
+}
+
+}  // namespace parallel
+}  // namespace tessera

@@ -1,0 +1,271 @@
+// PipelineExecutor on tessera's GPT against the serial GPT: every schedule,
+// at the world's pipeline size (1, 2, 4 ranks), with 1, p and 2p + 1
+// micro-batches: the loss of 3 SGD-momentum steps, the gradients of the first and
+// the parameters after the last, within 1e-5 relative (fp32). Bad input is
+// refused with its value.
+#include "test_util.h"
+
+#include "tessera/context/parallel_context.h"
+#include "tessera/models/gpt.h"
+#include "tessera/nn/layer_factory.h"
+#include "tessera/parallel/pipeline_executor.h"
+#include "tessera/parallel/pipeline_partition.h"
+#include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/sharded_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace tessera {
+namespace {
+
+using parallel::PipelineExecutor;
+using parallel::PipelineOptions;
+using parallel::ScheduleKind;
+
+constexpr int kSteps = 3;
+constexpr int64_t kSeq = 8;
+constexpr double kTolerance = 1e-5;
+
+// 6 blocks: 8 layers in sequence, enough for 4 ranks x 2 chunks.
+models::GPTConfig config() {
+  auto c = models::GPTConfig::preset("tiny");
+  c.layers = 6;
+  return c;
+}
+
+std::shared_ptr<nn::LayerFactory> factory(const comm::CommunicatorPtr& group) {
+  return nn::make_1d_factory(group, false, 1234, 5678);
+}
+
+at::Tensor ids(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randint(config().vocab, {rows, kSeq}, gen, at::kLong);
+}
+
+// SGD with momentum, not AdamW: c_attn's key bias has an exactly zero
+// gradient (softmax ignores a shift shared by all keys), and Adam turns the
+// rounding noise there into full-size steps that differ with the summation
+// order of micro-batches. SGD is still sensitive to a wrong loss scale.
+torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01); }
+
+struct SerialRun {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> first_grads, params;
+};
+
+SerialRun serial_run(int64_t rows) {
+  auto w = test::world();
+  torch::manual_seed(7);
+  models::GPT gpt(config(), factory(w->split(w->rank(), 0, "self")));
+  torch::optim::SGD opt(gpt->parameters(), sgd());
+  SerialRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 10 + step)), ids(rows, 20 + step));
+    loss.backward();
+    if (step == 0)
+      for (const auto& p : gpt->named_parameters()) run.first_grads[p.key()] = p.value().grad().clone();
+    opt.step();
+    run.losses.push_back(loss.item<double>());
+  }
+  for (const auto& p : gpt->named_parameters()) run.params[p.key()] = p.value().detach().clone();
+  return run;
+}
+
+// The serial name of each local parameter ("embed" and "head" add no prefix).
+std::map<std::string, at::Tensor> local_named(const PipelineExecutor& pipe) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, layer] : pipe.local_layers()) {
+    const std::string prefix = name == "embed" || name == "head" ? "" : name + ".";
+    for (const auto& p : layer->named_parameters()) out[prefix + p.key()] = p.value();
+  }
+  return out;
+}
+
+context::ParallelContextPtr pipeline_context() {
+  return context::ParallelContext::create(test::world(), context::ParallelConfig().pipeline(test::world()->size()));
+}
+
+struct Case {
+  ScheduleKind kind;
+  int chunks;
+};
+
+class PipelineSchedules : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineSchedules, ThreeStepsOfGPTEqualSerial) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "the pure pipeline runs at 1, 2 and 4 ranks; 8 is the composed test";
+  auto ctx = pipeline_context();
+  for (int m : {1, p, 2 * p + 1}) {
+    SCOPED_TRACE("micro-batches " + std::to_string(m));
+    const int64_t rows = 2 * m;
+    const SerialRun serial = serial_run(rows);
+    torch::manual_seed(7);
+    models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+    PipelineExecutor pipe(
+        gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
+        PipelineOptions().schedule(GetParam().kind).microbatches(m).chunks(GetParam().chunks));
+    torch::optim::SGD opt(pipe.parameters(), sgd());
+    const auto named = local_named(pipe);
+    ASSERT_FALSE(named.empty());
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      const double loss = pipe.run(ids(rows, 10 + step), ids(rows, 20 + step));
+      EXPECT_NEAR(loss, serial.losses[step], kTolerance * serial.losses[step]) << "step " << step;
+      if (step == 0) {
+        for (const auto& [name, param] : named) {
+          ASSERT_TRUE(param.grad().defined()) << name;
+          EXPECT_LE(test::rel_error(param.grad(), serial.first_grads.at(name)), kTolerance) << "gradient " << name;
+        }
+      }
+      opt.step();
+    }
+    for (const auto& [name, param] : named)
+      EXPECT_LE(test::rel_error(param.detach(), serial.params.at(name)), kTolerance) << "parameter " << name;
+  }
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  std::string n = parallel::to_string(info.param.kind);
+  for (char& c : n)
+    if (c == '-') c = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, PipelineSchedules,
+                         ::testing::Values(Case{ScheduleKind::kGPipe, 1}, Case{ScheduleKind::k1F1B, 1},
+                                           Case{ScheduleKind::kInterleaved1F1B, 2},
+                                           Case{ScheduleKind::kZeroBubbleH1, 1}, Case{ScheduleKind::kZeroBubbleH2, 1}),
+                         case_name);
+
+// The GPT full-state names ("h.3.attn.c_attn.weight") of a pipeline layer ("h3").
+bool in_layers(const std::string& key, const std::vector<std::string>& layers) {
+  for (const auto& l : layers) {
+    std::vector<std::string> prefixes;
+    if (l == "embed")
+      prefixes = {"wte.", "wpe."};
+    else if (l == "head")
+      prefixes = {"ln_f.", "wte.", "lm_head."};
+    else
+      prefixes = {"h." + l.substr(1) + "."};
+    for (const auto& p : prefixes)
+      if (key.rfind(p, 0) == 0) return true;
+  }
+  return false;
+}
+
+// dp 2 x pp 2 x tp 2: GPT in 1D tensor parallelism, cut into two stages, the
+// layers of each stage data-parallel under a sharding spec (the wrapper's
+// reduction runs once after all micro-batches: reduce_gradients). The loss
+// of every step and the full parameters after the first step (which carry
+// the gradient: w1 = w0 - lr (g + wd w0)) and after the third equal serial.
+TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
+  auto world = test::world();
+  if (world->size() != 8) GTEST_SKIP() << "needs 8 ranks (dp2 x pp2 x tp2)";
+  auto ctx = context::ParallelContext::create(world, context::ParallelConfig().data(2).pipeline(2).tensor(2));
+  auto data = ctx->comm(context::ParallelMode::kData);
+  constexpr int kMicro = 3;
+  const int64_t local_rows = 2 * kMicro, rows = local_rows * data->size();
+  const SerialRun serial = serial_run(rows);
+  auto w = world->split(world->rank(), 0, "self");
+  for (const char* spec : {"ddp", "zero2", "{R,P(2),S}"}) {
+    SCOPED_TRACE(spec);
+    torch::manual_seed(7);
+    models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+    PipelineExecutor pipe(
+        gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
+        PipelineOptions().schedule(ScheduleKind::k1F1B).microbatches(kMicro));
+    auto local = std::make_shared<torch::nn::Module>();
+    std::vector<std::string> names;
+    for (const auto& [name, layer] : pipe.local_layers()) {
+      local->register_module(name, layer);
+      names.push_back(name);
+    }
+    auto sharded = std::make_shared<parallel::ShardedModule>(
+        local, ctx, parallel::ShardedModuleOptions().spec(parallel::ShardingSpec::parse(spec)).bucket_bytes(4096));
+    sharded->set_gradient_sync(false);
+    parallel::ShardedOptimizer opt(sharded, std::make_shared<torch::optim::SGD>(pipe.parameters(), sgd()));
+    auto compare = [&](const std::map<std::string, at::Tensor>& expected, const char* when) {
+      std::map<std::string, at::Tensor> full;
+      {
+        auto gathered = sharded->full_params();
+        full = gpt->full_state();
+      }
+      int compared = 0;
+      for (const auto& [key, value] : full) {
+        if (!in_layers(key, names)) continue;
+        EXPECT_LE(test::rel_error(value, expected.at(key)), kTolerance) << key << " " << when;
+        ++compared;
+      }
+      EXPECT_GT(compared, 0);
+    };
+    // The serial GPT's full state after one step, for the gradient check.
+    std::map<std::string, at::Tensor> after_first;
+    {
+      torch::manual_seed(7);
+      models::GPT one(config(), factory(w));
+      torch::optim::SGD o(one->parameters(), sgd());
+      one->loss(one->forward(ids(rows, 10)), ids(rows, 20)).backward();
+      o.step();
+      after_first = one->full_state();
+    }
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      const at::Tensor x = ids(rows, 10 + step).narrow(0, data->rank() * local_rows, local_rows);
+      const at::Tensor y = ids(rows, 20 + step).narrow(0, data->rank() * local_rows, local_rows);
+      at::Tensor loss = at::tensor({pipe.run(x, y)}, at::kDouble);
+      sharded->reduce_gradients();
+      opt.step();
+      data->all_reduce(loss);
+      EXPECT_NEAR(loss.item<double>() / data->size(), serial.losses[step], kTolerance * serial.losses[step])
+          << "step " << step;
+      if (step == 0) compare(after_first, "after the first step");
+    }
+    std::map<std::string, at::Tensor> serial_full;
+    {
+      torch::manual_seed(7);
+      models::GPT again(config(), factory(w));
+      torch::optim::SGD o(again->parameters(), sgd());
+      for (int step = 0; step < kSteps; ++step) {
+        o.zero_grad();
+        again->loss(again->forward(ids(rows, 10 + step)), ids(rows, 20 + step)).backward();
+        o.step();
+      }
+      serial_full = again->full_state();
+    }
+    compare(serial_full, "after three steps");
+  }
+}
+
+TEST(PipelineErrors, BadInputIsRefusedOnEveryRank) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "the 4-layer GPT fits pipelines of up to 4 ranks";
+  auto ctx = pipeline_context();
+  auto c = models::GPTConfig::preset("tiny");  // 2 blocks: 4 layers in sequence
+  models::GPT gpt(c, factory(ctx->comm(context::ParallelMode::kTensor)));
+  auto loss = [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); };
+  const std::string too_few = "needs at least " + std::to_string(5 * p) + " layers, the model has 4";
+  EXPECT_ERROR_CONTAINS(PipelineExecutor(gpt->as_sequential(), ctx, loss,
+                                         PipelineOptions().schedule(ScheduleKind::kInterleaved1F1B).chunks(5)),
+                        too_few.c_str());
+  EXPECT_ERROR_CONTAINS(
+      PipelineExecutor(
+          gpt->as_sequential(), ctx, loss,
+          PipelineOptions().partition(parallel::PartitionMethod::kSizes).stage_sizes(std::vector<int64_t>(p, 3))),
+      "stage sizes sum to");
+  PipelineExecutor pipe(gpt->as_sequential(), ctx, loss, PipelineOptions().microbatches(2));
+  EXPECT_ERROR_CONTAINS(pipe.run(ids(3, 1), ids(3, 2)), "have 3 rows, which do not split into 2");
+}
+
+TEST(PipelinePartition, ByCountWeightAndSizes) {
+  EXPECT_EQ(parallel::partition_by_count(10, 4), (std::vector<int64_t>{0, 3, 6, 8, 10}));
+  EXPECT_EQ(parallel::partition_by_weight({1, 1, 1, 1, 8, 1, 1, 1}, 3), (std::vector<int64_t>{0, 4, 5, 8}));
+  EXPECT_EQ(parallel::partition_by_sizes({1, 2, 3}, 6, 3), (std::vector<int64_t>{0, 1, 3, 6}));
+  EXPECT_ERROR_CONTAINS(parallel::partition_by_sizes({1, 0, 5}, 6, 3), "stage 1 is given 0 layers");
+  EXPECT_ERROR_CONTAINS(parallel::partition_by_count(3, 4), "needs at least 4 layers, the model has 3");
+}
+
+}  // namespace
+}  // namespace tessera
