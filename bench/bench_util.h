@@ -1,6 +1,10 @@
 #pragma once
-// Shared by the step benchmarks: integer flags and the timing loop.
+// Shared by the benchmarks: main()'s frame, integer flags and the timing loop.
+#include <tessera/comm/mpi_runtime.h>
+#include <tessera/core/threads.h>
+
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <mpi.h>
 
 #include <algorithm>
@@ -11,6 +15,23 @@
 #include <vector>
 
 namespace bench {
+
+// main() of a benchmark: MPI up, one intra-op thread per rank, then
+// body(rank); a c10::Error (bad flags included) is printed once, by rank 0,
+// and every rank exits with 1.
+inline int run_main(int* argc, char*** argv, const char* name, const std::function<void(int)>& body) {
+  tessera::comm::MpiRuntime mpi(argc, argv);
+  tessera::limit_threads(1);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  try {
+    body(rank);
+  } catch (const c10::Error& e) {
+    if (rank == 0) fmt::print(stderr, "{}: error: {}\n", name, e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}
 
 inline double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();

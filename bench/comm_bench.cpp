@@ -18,6 +18,8 @@
 // broadcast, reduce 1. Times are per iteration, the maximum over ranks of the
 // median over rounds. ratio = tessera busbw / MPI busbw, as the median over
 // rounds of the ratio within each round's back-to-back pair.
+#include "bench_util.h"
+
 #include <tessera/tessera.h>
 
 #include <ATen/ATen.h>
@@ -234,11 +236,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tessera::comm::MpiRuntime mpi(&argc, &argv);
-  tessera::limit_threads(1);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  try {
+  return bench::run_main(&argc, &argv, "comm_bench", [&](int rank) {
     const Args args = parse(argc, argv);
     const c10::ScalarType dtype = tessera::dtype_from_name(args.dtype);
     auto comm = MpiCommunicator::world();
@@ -299,9 +297,5 @@ int main(int argc, char** argv) {
       }
     }
     MPI_Comm_free(&raw);
-  } catch (const c10::Error& e) {
-    if (rank == 0) fmt::print(stderr, "comm_bench: error: {}\n", e.what_without_backtrace());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -148,11 +148,7 @@ void comm_only_step(ShardedModule& m) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tessera::comm::MpiRuntime mpi(&argc, &argv);
-  tessera::limit_threads(1);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  try {
+  return bench::run_main(&argc, &argv, "dp_step", [&](int rank) {
     const Args a = parse(argc, argv);
     c10::Device device(a.device);
     if (device.is_cuda() && !device.has_index()) device = tessera::context::local_device();
@@ -273,9 +269,5 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-  } catch (const c10::Error& e) {
-    if (rank == 0) fmt::print(stderr, "dp_step: error: {}\n", e.what_without_backtrace());
-    return 1;
-  }
-  return 0;
+  });
 }

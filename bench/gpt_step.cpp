@@ -45,11 +45,7 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tessera::comm::MpiRuntime mpi(&argc, &argv);
-  tessera::limit_threads(1);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  try {
+  return bench::run_main(&argc, &argv, "gpt_step", [&](int rank) {
     const Args a = parse(argc, argv);
     auto world = tessera::comm::make_world_communicator();
     const int n = world->size();
@@ -103,9 +99,5 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-  } catch (const c10::Error& e) {
-    if (rank == 0) fmt::print(stderr, "gpt_step: error: {}\n", e.what_without_backtrace());
-    return 1;
-  }
-  return 0;
+  });
 }

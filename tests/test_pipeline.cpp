@@ -94,37 +94,56 @@ struct Case {
 
 class PipelineSchedules : public ::testing::TestWithParam<Case> {};
 
+// 3 steps of the pipelined GPT with m micro-batches against the serial GPT.
+void expect_matches_serial(const context::ParallelContextPtr& ctx, int m, PipelineOptions options) {
+  const int64_t rows = 2 * m;
+  const SerialRun serial = serial_run(rows);
+  torch::manual_seed(7);
+  models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+  if (options.partition() == parallel::PartitionMethod::kMeasuredTime) options.sample(ids(2, 99));
+  PipelineExecutor pipe(
+      gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
+      options.microbatches(m));
+  torch::optim::SGD opt(pipe.parameters(), sgd());
+  const auto named = local_named(pipe);
+  ASSERT_FALSE(named.empty());
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    const double loss = pipe.run(ids(rows, 10 + step), ids(rows, 20 + step));
+    EXPECT_NEAR(loss, serial.losses[step], kTolerance * serial.losses[step]) << "step " << step;
+    if (step == 0) {
+      for (const auto& [name, param] : named) {
+        ASSERT_TRUE(param.grad().defined()) << name;
+        EXPECT_LE(test::rel_error(param.grad(), serial.first_grads.at(name)), kTolerance) << "gradient " << name;
+      }
+    }
+    opt.step();
+  }
+  for (const auto& [name, param] : named)
+    EXPECT_LE(test::rel_error(param.detach(), serial.params.at(name)), kTolerance) << "parameter " << name;
+}
+
 TEST_P(PipelineSchedules, ThreeStepsOfGPTEqualSerial) {
   const int p = test::world()->size();
   if (p > 4) GTEST_SKIP() << "the pure pipeline runs at 1, 2 and 4 ranks; 8 is the composed test";
   auto ctx = pipeline_context();
   for (int m : {1, p, 2 * p + 1}) {
     SCOPED_TRACE("micro-batches " + std::to_string(m));
-    const int64_t rows = 2 * m;
-    const SerialRun serial = serial_run(rows);
-    torch::manual_seed(7);
-    models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
-    PipelineExecutor pipe(
-        gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
-        PipelineOptions().schedule(GetParam().kind).microbatches(m).chunks(GetParam().chunks));
-    torch::optim::SGD opt(pipe.parameters(), sgd());
-    const auto named = local_named(pipe);
-    ASSERT_FALSE(named.empty());
-    for (int step = 0; step < kSteps; ++step) {
-      opt.zero_grad();
-      const double loss = pipe.run(ids(rows, 10 + step), ids(rows, 20 + step));
-      EXPECT_NEAR(loss, serial.losses[step], kTolerance * serial.losses[step]) << "step " << step;
-      if (step == 0) {
-        for (const auto& [name, param] : named) {
-          ASSERT_TRUE(param.grad().defined()) << name;
-          EXPECT_LE(test::rel_error(param.grad(), serial.first_grads.at(name)), kTolerance) << "gradient " << name;
-        }
-      }
-      opt.step();
-    }
-    for (const auto& [name, param] : named)
-      EXPECT_LE(test::rel_error(param.detach(), serial.params.at(name)), kTolerance) << "parameter " << name;
+    expect_matches_serial(ctx, m, PipelineOptions().schedule(GetParam().kind).chunks(GetParam().chunks));
   }
+}
+
+// Other cuts of the same model train the same.
+TEST(PipelinePartitions, ParameterCountMeasuredTimeAndSizesEqualSerial) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "runs at 1, 2 and 4 ranks";
+  auto ctx = pipeline_context();
+  using parallel::PartitionMethod;
+  expect_matches_serial(ctx, p, PipelineOptions().partition(PartitionMethod::kParameterCount));
+  expect_matches_serial(ctx, p, PipelineOptions().partition(PartitionMethod::kMeasuredTime));
+  std::vector<int64_t> sizes(p, 1);
+  sizes.back() = 8 - (p - 1);  // the 8 layers: one per stage, the rest on the last
+  expect_matches_serial(ctx, p, PipelineOptions().partition(PartitionMethod::kSizes).stage_sizes(sizes));
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {

@@ -136,6 +136,12 @@ TEST(PipelineSchedule, DeadlocksAndBadOrdersAreCaught) {
                         "never completes the forward and backward of micro-batch 1 on stage 0");
 }
 
+TEST(PipelineSchedule, DrawsTheSimulatedTimeline) {
+  EXPECT_EQ(parallel::draw(make_schedule(ScheduleKind::kGPipe, 2, 2)),
+            "rank 0 |F0F1......B0--B1--|\n"
+            "rank 1 |..F0F1B0--B1--....|\n");
+}
+
 TEST(PipelineSchedule, BadArgumentsNameTheValue) {
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::k1F1B, 2, 0), "number of micro-batches must be >= 1, got 0");
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kGPipe, 0, 4), "pipeline size must be >= 1, got 0");

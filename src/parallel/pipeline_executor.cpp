@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <limits>
 #include <set>
 #include <tuple>
 
@@ -82,6 +83,23 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
     case PartitionMethod::kSizes:
       bounds_ = partition_by_sizes(options_.stage_sizes(), n, stages);
       break;
+    case PartitionMethod::kWeights:
+      TORCH_CHECK(static_cast<int64_t>(options_.layer_weights().size()) == n,
+                  "pipeline: ", options_.layer_weights().size(), " layer weights given for a model of ", n, " layers");
+      bounds_ = partition_by_weight(options_.layer_weights(), stages);
+      break;
+    case PartitionMethod::kMeasuredTime: {
+      TORCH_CHECK(options_.sample().defined(),
+                  "pipeline: PartitionMethod::kMeasuredTime needs a sample micro-batch "
+                  "(PipelineOptions().sample(inputs))");
+      // Every rank measures (tensor-parallel layers communicate); rank 0's
+      // times decide, so that all ranks cut the model alike.
+      const auto seconds = measure_layer_seconds(model, options_.sample());
+      at::Tensor t = at::tensor(seconds, at::kDouble);
+      group_->broadcast(t);
+      bounds_ = partition_by_weight(std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + n), stages);
+      break;
+    }
   }
   const auto names = model->named_children().keys();
   auto stage_params = [&](int s) {
@@ -117,6 +135,25 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
+
+std::vector<double> measure_layer_seconds(torch::nn::Sequential model, const at::Tensor& sample, int repeats) {
+  TORCH_CHECK(repeats >= 1, "measure_layer_seconds: repeats must be >= 1, got ", repeats);
+  std::vector<double> best(model->size(), std::numeric_limits<double>::infinity());
+  for (int rep = 0; rep < repeats; ++rep) {
+    at::Tensor x = sample;
+    for (size_t i = 0; i < model->size(); ++i) {
+      at::Tensor in = x.detach();
+      if (in.is_floating_point()) in.requires_grad_(true);
+      const auto t0 = std::chrono::steady_clock::now();
+      at::Tensor out = (model->begin() + static_cast<std::ptrdiff_t>(i))->forward(in);
+      if (out.requires_grad()) out.backward(at::ones_like(out));
+      best[i] = std::min(best[i], seconds_since(t0));
+      x = out.detach();
+    }
+  }
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  return best;
+}
 
 std::vector<at::Tensor> PipelineExecutor::parameters() const {
   std::vector<at::Tensor> out;
@@ -159,13 +196,19 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
   TORCH_CHECK(!chunks_.count(0) || !st.inputs.empty(), "pipeline: the first stage needs the inputs");
   TORCH_CHECK(!chunks_.count(stages - 1) || !st.targets.empty(), "pipeline: the last stage needs the targets");
   st.loss = 0;
-  wait_seconds_ = 0;
+  stats_ = PipelineRunStats();
 
   const auto& actions = schedule_.ranks[me];
   size_t i = 0;
   while (i < actions.size()) {
     if (actions[i].is_compute()) {
-      run_action(actions[i++]);
+      const auto t0 = std::chrono::steady_clock::now();
+      run_action(actions[i]);
+      const double dt = seconds_since(t0);
+      stats_.compute_seconds += dt;
+      stats_.seconds[static_cast<int>(actions[i].kind)] += dt;
+      ++stats_.count[static_cast<int>(actions[i].kind)];
+      ++i;
       continue;
     }
     // A run of consecutive messages is posted together: sends go out at
@@ -238,13 +281,13 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
         slot.grad_output = p.payload;
       }
     }
-    wait_seconds_ += seconds_since(t0);
+    stats_.wait_seconds += seconds_since(t0);
   }
 
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& s : st.sends) s.first->wait();
   st.sends.clear();
-  wait_seconds_ += seconds_since(t0);
+  stats_.wait_seconds += seconds_since(t0);
   TORCH_INTERNAL_ASSERT(st.mailbox.empty(), "pipeline: ", st.mailbox.size(), " local messages never received");
   st.slots.clear();
 

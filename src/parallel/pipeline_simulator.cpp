@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -32,6 +33,7 @@ class Simulator {
     Simulation sim;
     sim.busy.assign(s_.pp, 0.0);
     sim.peak_inflight.assign(s_.pp, 0);
+    sim.timeline.assign(s_.pp, {});
     std::vector<int> inflight(s_.pp, 0);
     bool progress = true;
     while (progress) {
@@ -55,6 +57,7 @@ class Simulator {
             sent_[key] = time[r] + costs_.message;
           } else {
             const double cost = cost_of(a.kind);
+            sim.timeline[r].emplace_back(time[r], a);
             time[r] += cost;
             sim.busy[r] += cost;
             unsigned char& st = state_[a.stage][a.microbatch];
@@ -179,6 +182,30 @@ class Simulator {
 }  // namespace
 
 Simulation simulate(const Schedule& schedule, const ActionCosts& costs) { return Simulator(schedule, costs).run(); }
+
+std::string draw(const Schedule& schedule, const ActionCosts& costs, int chars_per_unit) {
+  TORCH_CHECK(chars_per_unit >= 1, "draw: chars_per_unit must be >= 1, got ", chars_per_unit);
+  const Simulation sim = simulate(schedule, costs);
+  const auto cells = [&](double t) { return static_cast<size_t>(t * chars_per_unit + 0.5); };
+  const char* digits = "0123456789abcdefghijklmnopqrstuvwxyz";
+  std::ostringstream os;
+  for (int r = 0; r < schedule.pp; ++r) {
+    std::string row(cells(sim.makespan), '.');
+    for (const auto& [start, a] : sim.timeline[r]) {
+      const double cost = a.kind == ActionKind::kForward         ? costs.forward
+                          : a.kind == ActionKind::kBackward      ? costs.backward
+                          : a.kind == ActionKind::kBackwardInput ? costs.backward_input
+                                                                 : costs.backward_weight;
+      const size_t begin = cells(start), end = std::min(row.size(), cells(start + cost));
+      std::string label =
+          std::string(1, "FBIW"[static_cast<int>(a.kind)]) + (a.microbatch < 36 ? digits[a.microbatch] : '+');
+      if (schedule.chunk_of(a.stage) > 0) label[0] = static_cast<char>(std::tolower(label[0]));
+      for (size_t i = begin; i < end; ++i) row[i] = i - begin < label.size() ? label[i - begin] : '-';
+    }
+    os << "rank " << r << " |" << row << "|\n";
+  }
+  return os.str();
+}
 
 }  // namespace parallel
 }  // namespace tessera

@@ -31,7 +31,21 @@
 namespace tessera {
 namespace parallel {
 
-enum class PartitionMethod { kLayerCount, kParameterCount, kSizes };
+enum class PartitionMethod {
+  kLayerCount,
+  kParameterCount,
+  kSizes,         // PipelineOptions::stage_sizes
+  kWeights,       // PipelineOptions::layer_weights, one per layer
+  kMeasuredTime,  // forward + backward seconds per layer on PipelineOptions::sample
+};
+
+// What one run() spent, on this rank.
+struct PipelineRunStats {
+  double wait_seconds = 0;           // blocked on receives and on the step's last sends
+  double compute_seconds = 0;        // inside F, B, I and W
+  double seconds[4] = {0, 0, 0, 0};  // per ActionKind F, B, I, W
+  int count[4] = {0, 0, 0, 0};
+};
 
 struct PipelineOptions {
   TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::k1F1B;
@@ -41,12 +55,21 @@ struct PipelineOptions {
   TORCH_ARG(PartitionMethod, partition) = PartitionMethod::kLayerCount;
   // Layers per stage, for PartitionMethod::kSizes.
   TORCH_ARG(std::vector<int64_t>, stage_sizes) = {};
+  // A weight per layer (cost, memory, ...), for PartitionMethod::kWeights.
+  TORCH_ARG(std::vector<double>, layer_weights) = {};
+  // One micro-batch of inputs, for PartitionMethod::kMeasuredTime: every
+  // rank times each layer on it, and pipeline rank 0's times are used.
+  TORCH_ARG(at::Tensor, sample) = {};
   // The pipeline group; the context's pipeline group when null.
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
 };
 
 // (output of the last layer for a micro-batch, that micro-batch's targets) -> its mean loss.
 using PipelineLossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+// Seconds of forward + backward of each layer of `model` run in sequence on
+// `sample` (the best of `repeats`); the layers' gradients are cleared after.
+std::vector<double> measure_layer_seconds(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3);
 
 class PipelineExecutor {
  public:
@@ -70,8 +93,7 @@ class PipelineExecutor {
   // Stage s holds layers [bounds[s], bounds[s + 1]).
   const std::vector<int64_t>& stage_bounds() const { return bounds_; }
   const comm::CommunicatorPtr& group() const { return group_; }
-  // Seconds this rank spent waiting for messages in the last run().
-  double last_wait_seconds() const { return wait_seconds_; }
+  const PipelineRunStats& last_stats() const { return stats_; }
 
  private:
   struct Impl;
@@ -86,7 +108,7 @@ class PipelineExecutor {
   std::map<int, torch::nn::Sequential> chunks_;  // stage -> its layers, for this rank's stages
   std::vector<at::Tensor> tied_;                 // parameters shared by the first and the last stage
   std::unique_ptr<Impl> impl_;
-  double wait_seconds_ = 0;
+  PipelineRunStats stats_;
 };
 
 }  // namespace parallel

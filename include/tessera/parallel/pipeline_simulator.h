@@ -4,6 +4,8 @@
 // what it needs, and reports the bubble and the activations each rank holds.
 #include "tessera/parallel/pipeline_schedule.h"
 
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace tessera {
@@ -26,6 +28,8 @@ struct Simulation {
   // Per rank, the most micro-batch stages whose forward has run and whose
   // backward (B, or W after I) has not: activations held at once.
   std::vector<int> peak_inflight;
+  // Per rank, the compute actions with their start times.
+  std::vector<std::vector<std::pair<double, Action>>> timeline;
 };
 
 // Throws c10::Error naming the schedule, the rank, the position and the
@@ -33,6 +37,12 @@ struct Simulation {
 // needs, a send is never received, a compute action is missing, or the ranks
 // deadlock (every unfinished rank waits for a message nobody will send).
 Simulation simulate(const Schedule& schedule, const ActionCosts& costs = {});
+
+// The simulated timeline as text, one row per rank, `chars_per_unit`
+// characters per unit of cost: each action is its letter and micro-batch
+// ("F3", "B3", "I3", "W3"; chunk c > 0 in lower case), padded with '-' to
+// its length, idle time '.'.
+std::string draw(const Schedule& schedule, const ActionCosts& costs = {}, int chars_per_unit = 2);
 
 }  // namespace parallel
 }  // namespace tessera

@@ -1,0 +1,151 @@
+// pipeline: one training step (forward and backward over all micro-batches)
+// of tessera's GPT cut into pipeline stages, per schedule, with the bubble
+// measured from each rank's time blocked on messages and the bubble the
+// simulator predicts from the same run's mean action times. The serial
+// baseline is the whole batch's forward and backward in one process, run
+// on rank 0 alone in the same program. Prints one JSON object per schedule.
+//
+//   mpirun -np 4 pipeline [--layers 8] [--hidden 128] [--heads 4] [--seq 64] [--mb-rows 2]
+//       [--microbatches 8] [--chunks 2] [--steps 3] [--warmup 1] [--rounds 3]
+//       [--schedules gpipe,1f1b,interleaved,zb-h1,zb-h2]
+#include "bench_util.h"
+
+#include <tessera/models/gpt.h>
+#include <tessera/parallel/pipeline_executor.h>
+#include <tessera/parallel/pipeline_simulator.h>
+#include <tessera/tessera.h>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace {
+
+using tessera::parallel::PipelineExecutor;
+using tessera::parallel::PipelineOptions;
+using tessera::parallel::ScheduleKind;
+
+struct Args {
+  int64_t layers = 8, hidden = 128, heads = 4, seq = 64, mb_rows = 2, microbatches = 8, chunks = 2;
+  int64_t steps = 3, warmup = 1, rounds = 3;
+  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"};
+  bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  std::string schedules;
+  bench::parse_flags(argc, argv,
+                     {{"--layers", &a.layers},
+                      {"--hidden", &a.hidden},
+                      {"--heads", &a.heads},
+                      {"--seq", &a.seq},
+                      {"--mb-rows", &a.mb_rows},
+                      {"--microbatches", &a.microbatches},
+                      {"--chunks", &a.chunks},
+                      {"--steps", &a.steps},
+                      {"--warmup", &a.warmup},
+                      {"--rounds", &a.rounds}},
+                     {{"--schedules", &schedules}}, "the comment at the top of bench/pipeline.cpp");
+  if (!schedules.empty()) {
+    a.schedules.clear();
+    std::stringstream ss(schedules);
+    for (std::string s; std::getline(ss, s, ',');) a.schedules.push_back(s);
+  }
+  return a;
+}
+
+tessera::models::GPTConfig gpt_config(const Args& a) {
+  tessera::models::GPTConfig c;
+  c.vocab = 512;
+  c.context = a.seq;
+  c.layers = a.layers;
+  c.heads = a.heads;
+  c.hidden = a.hidden;
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return bench::run_main(&argc, &argv, "pipeline", [&](int rank) {
+    const Args a = parse(argc, argv);
+    auto world = tessera::comm::make_world_communicator();
+    const int pp = world->size();
+    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig().pipeline(pp));
+    auto tensor = ctx->comm(tessera::context::ParallelMode::kTensor);
+    const int64_t rows = a.mb_rows * a.microbatches;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const at::Tensor x = at::randint(512, {rows, a.seq}, gen, at::kLong);
+    const at::Tensor y = at::randint(512, {rows, a.seq}, gen, at::kLong);
+
+    // Baseline: the whole batch in one process (rank 0; the others wait).
+    double serial_ms = 0;
+    {
+      torch::manual_seed(1);
+      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_1d_factory(tensor, false, 1, 2));
+      if (rank == 0) {
+        bench::Timing t = a.timing();
+        serial_ms = bench::time_ms(
+            [&] {
+              gpt->zero_grad();
+              gpt->loss(gpt->forward(x), y).backward();
+            },
+            t, MPI_COMM_SELF);
+      }
+      MPI_Barrier(MPI_COMM_WORLD);
+    }
+
+    for (const std::string& name : a.schedules) {
+      const ScheduleKind kind = tessera::parallel::parse_schedule_kind(name);
+      const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks) : 1;
+      torch::manual_seed(1);
+      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_1d_factory(tensor, false, 1, 2));
+      PipelineExecutor pipe(
+          gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& t) { return gpt->loss(out, t); },
+          PipelineOptions().schedule(kind).microbatches(static_cast<int>(a.microbatches)).chunks(chunks));
+      auto step = [&] {
+        for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();
+        pipe.run(x, y);
+      };
+      const double step_ms = bench::time_ms(step, a.timing());
+
+      // One more step for the breakdown: wait and per-action times.
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double t0 = bench::now_ms();
+      step();
+      const double mine_ms = bench::now_ms() - t0;
+      const auto& st = pipe.last_stats();
+      double idle_fraction = st.wait_seconds * 1e3 / mine_ms, bubble = 0;
+      MPI_Allreduce(&idle_fraction, &bubble, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+      bubble /= pp;
+      double sums[8], totals[8];
+      for (int k = 0; k < 4; ++k) {
+        sums[k] = st.seconds[k];
+        sums[4 + k] = st.count[k];
+      }
+      MPI_Allreduce(sums, totals, 8, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+      auto mean_ms = [&](int k) { return totals[4 + k] > 0 ? 1e3 * totals[k] / totals[4 + k] : 0.0; };
+      tessera::parallel::ActionCosts costs;
+      costs.forward = mean_ms(0);
+      costs.backward = mean_ms(1);
+      costs.backward_input = mean_ms(2);
+      costs.backward_weight = mean_ms(3);
+      const auto sim = tessera::parallel::simulate(pipe.schedule(), costs);
+      int peak = 0;
+      for (int v : sim.peak_inflight) peak = std::max(peak, v);
+      if (rank == 0) {
+        fmt::print(
+            "{{\"schedule\": \"{}\", \"pp\": {}, \"chunks\": {}, \"microbatches\": {}, \"rows\": {}, \"seq\": {}, "
+            "\"hidden\": {}, \"layers\": {}, \"step_ms\": {:.3f}, \"serial_step_ms\": {:.3f}, "
+            "\"measured_bubble\": {:.4f}, \"simulated_bubble\": {:.4f}, \"simulated_step_ms\": {:.3f}, "
+            "\"peak_inflight\": {}, \"forward_ms\": {:.3f}, \"backward_ms\": {:.3f}, \"backward_input_ms\": {:.3f}, "
+            "\"backward_weight_ms\": {:.3f}}}\n",
+            name, pp, chunks, a.microbatches, rows, a.seq, a.hidden, a.layers, step_ms, serial_ms, bubble, sim.bubble,
+            sim.makespan, peak, costs.forward, costs.backward, costs.backward_input, costs.backward_weight);
+        std::fflush(stdout);
+      }
+    }
+  });
+}
