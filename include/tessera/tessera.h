@@ -19,6 +19,9 @@
 #include "tessera/core/error.h"
 #include "tessera/core/logging.h"
 #include "tessera/core/threads.h"
+#include "tessera/optim/lamb.h"
+#include "tessera/optim/lars.h"
+#include "tessera/optim/param_groups.h"
 #include "tessera/parallel/pipeline_executor.h"
 #include "tessera/parallel/pipeline_partition.h"
 #include "tessera/parallel/pipeline_schedule.h"
@@ -27,6 +30,7 @@
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
 #include "tessera/parallel/sharding_spec.h"
+#include "tessera/parallel/whole_norms.h"
 #ifdef TESSERA_HAVE_NCCL
 #include "tessera/comm/nccl_communicator.h"
 #endif

@@ -152,6 +152,21 @@ class Factory1D : public LayerFactory {
     return out;
   }
 
+  std::vector<at::Tensor> sharded_parameters(torch::nn::Module& model) override {
+    std::vector<at::Tensor> out;
+    for (const auto& module : model.modules()) {
+      if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) {
+        out.push_back(c->weight);
+        if (c->options.bias()) out.push_back(c->bias);
+      } else if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
+        out.push_back(r->weight);  // its bias is replicated
+      } else if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module)) {
+        out.push_back(e->weight);
+      }
+    }
+    return out;
+  }
+
  private:
   comm::CommunicatorPtr group_;
   bool sp_;

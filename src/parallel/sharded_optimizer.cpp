@@ -34,6 +34,55 @@ void add_storage(std::set<const void*>& seen, int64_t& bytes, const at::Tensor& 
 
 }  // namespace
 
+namespace {
+
+// Note [Whole-parameter norms] for pieces: each piece's local squares go to
+// its parameter's row of a [P, k] table over all the module's parameters
+// (the same order on every data rank), the table is summed over the data
+// group (replicas of the optimizer chunks scaled by 1/r so that each element
+// counts once), made whole over further groups by `outer`, and read back.
+class PieceNorms : public WholeNorms {
+ public:
+  PieceNorms(std::map<const c10::TensorImpl*, int64_t> index, std::vector<at::Tensor> module_params,
+             comm::CommunicatorPtr data, double replicas, WholeNormsPtr outer)
+      : index_(std::move(index)),
+        module_params_(std::move(module_params)),
+        data_(std::move(data)),
+        replicas_(replicas),
+        outer_(std::move(outer)) {}
+
+  void reduce(const std::vector<at::Tensor>& pieces, at::Tensor& squares) const override {
+    at::Tensor table = whole_table(pieces, squares);
+    for (size_t i = 0; i < pieces.size(); ++i) squares[static_cast<int64_t>(i)].copy_(table[row(pieces[i])]);
+  }
+  double total(const std::vector<at::Tensor>& pieces, at::Tensor squares) const override {
+    return whole_table(pieces, squares).select(1, 0).sum().item<double>();
+  }
+
+ private:
+  int64_t row(const at::Tensor& piece) const {
+    auto it = index_.find(piece.unsafeGetTensorImpl());
+    TORCH_CHECK(it != index_.end(), "ShardedOptimizer: whole norms asked for a tensor that is not one of its pieces");
+    return it->second;
+  }
+  at::Tensor whole_table(const std::vector<at::Tensor>& pieces, const at::Tensor& squares) const {
+    at::Tensor table = at::zeros({static_cast<int64_t>(module_params_.size()), squares.size(1)}, at::kDouble);
+    for (size_t i = 0; i < pieces.size(); ++i) table[row(pieces[i])] += squares[static_cast<int64_t>(i)];
+    if (replicas_ != 1.0) table.div_(replicas_);
+    data_->all_reduce(table);
+    if (outer_) outer_->reduce(module_params_, table);
+    return table;
+  }
+
+  std::map<const c10::TensorImpl*, int64_t> index_;  // piece -> row of its module parameter
+  std::vector<at::Tensor> module_params_;
+  comm::CommunicatorPtr data_;
+  double replicas_;
+  WholeNormsPtr outer_;
+};
+
+}  // namespace
+
 ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torch::optim::Optimizer> optimizer,
                                    ShardedOptimizerOptions options)
     : module_(std::move(module)), optimizer_(std::move(optimizer)), options_(options) {
@@ -72,6 +121,17 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
     }
   }
 
+  // Rows of the whole-norm table: the module's parameters in bucket order,
+  // the same on every data rank (Note [Whole-parameter norms]).
+  std::vector<at::Tensor> module_params;
+  std::map<const c10::TensorImpl*, int64_t> param_row, piece_row;
+  for (size_t b = 0; b < module_->num_buckets(); ++b) {
+    for (const ParamSlot& slot : module_->bucket(b).slots()) {
+      param_row[slot.param.unsafeGetTensorImpl()] = static_cast<int64_t>(module_params.size());
+      module_params.push_back(slot.param);
+    }
+  }
+
   for (auto& group : optimizer_->param_groups()) {
     std::vector<at::Tensor> pieces;
     for (const auto& p : group.params()) {
@@ -93,9 +153,22 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
       piece.mutable_grad() = grad_chunk.narrow(0, begin - chunk_begin, end - begin);
       pieces.push_back(piece);
       pieces_.push_back(Piece{b, piece});
+      piece_row[piece.unsafeGetTensorImpl()] = param_row.at(slot.param.unsafeGetTensorImpl());
     }
     group.params() = std::move(pieces);
   }
+
+  const double replicas = static_cast<double>(module_->group()->size()) / d;
+  norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), module_->group(), replicas,
+                                        options_.whole_norms());
+  if (auto* aware = dynamic_cast<NormAware*>(optimizer_.get())) aware->set_whole_norms(norms_);
+}
+
+double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across) {
+  module_->finish_gradient_sync();
+  std::vector<at::Tensor> pieces;
+  for (const auto& p : pieces_) pieces.push_back(p.param);
+  return parallel::clip_grad_norm(pieces, max_norm, norms_.get(), across);
 }
 
 void ShardedOptimizer::step() {
@@ -154,12 +227,14 @@ int64_t ShardedOptimizer::state_bytes() const {
       add_storage(seen, bytes, r->grad_avg());
     } else if (auto* ad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
       add_storage(seen, bytes, ad->sum());
-    } else {
+    } else if (dynamic_cast<const StateTensors*>(optimizer_.get()) == nullptr) {
       TORCH_CHECK(false,
                   "ShardedOptimizer::state_bytes: unknown optimizer state type; it knows Adam, AdamW, SGD, "
-                  "RMSprop and Adagrad");
+                  "RMSprop, Adagrad and optimizers that list their StateTensors");
     }
   }
+  if (auto* listed = dynamic_cast<const StateTensors*>(optimizer_.get()))
+    for (const auto& t : listed->state_tensors()) add_storage(seen, bytes, t);
   for (size_t b = 0; b < offloaded_.size(); ++b) {
     // Master copies that are not the parameter shard itself count as optimizer state.
     if (!offloaded_[b].master.is_same(module_->bucket(b).param_chunk(module_->degrees().optim)))

@@ -75,6 +75,10 @@ class LayerFactory {
   // The parameters of `model` whose gradients are partial in this mode
   // (include/tessera/nn/partial_gradients.h); empty params if none.
   virtual PartialGradients partial_gradients(torch::nn::Module& model) = 0;
+  // The parameters of `model` split over the tensor group (each rank holds
+  // a different part); the others are replicated on every tensor rank.
+  // Whole-parameter norms (LAMB, LARS, clipping) sum the former over the group.
+  virtual std::vector<at::Tensor> sharded_parameters(torch::nn::Module& model) = 0;
 };
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects

@@ -12,14 +12,17 @@
 // optimizers (Adam, AdamW, SGD, RMSprop, Adagrad) then compute exactly the
 // unsharded update, with each group's options kept; optimizer state is
 // created for pieces only, so it takes 1/s_optim of the memory. Optimizers
-// that need whole-parameter norms (LAMB, LARS) must reduce them over the
-// shard group (optim/, issue 6).
+// that need whole-parameter norms (LAMB, LARS: NormAware) are given a
+// WholeNorms that sums their pieces' squares over the data group, then over
+// the groups of ShardedOptimizerOptions::whole_norms (Note [Whole-parameter
+// norms]).
 //
 // With offload, the pieces are views into fp32 CPU copies of the chunks
 // (pinned on CUDA machines); reduced gradients are copied to the CPU, the
 // step runs there with `offload_threads` intra-op threads, and the updated
 // chunks are copied back before the parameters are re-gathered.
 #include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/whole_norms.h"
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -33,6 +36,9 @@ namespace parallel {
 struct ShardedOptimizerOptions {
   TORCH_ARG(bool, offload) = false;
   TORCH_ARG(int, offload_threads) = 1;
+  // Whole-parameter norms over groups beyond the data group, applied to the
+  // module's parameters (a TensorParallelNorms for a tensor-parallel model).
+  TORCH_ARG(WholeNormsPtr, whole_norms) = nullptr;
 
  public:
   ShardedOptimizerOptions() = default;
@@ -50,6 +56,14 @@ class ShardedOptimizer {
   void step();
   // Zeroes gradients in place (never to none; see LIBTORCH_NOTES).
   void zero_grad();
+
+  // Clips the reduced gradients of all pieces by their global norm
+  // (parallel::clip_grad_norm with this optimizer's WholeNorms); call it
+  // between backward and step. `across`: groups holding other parameters
+  // (the pipeline group). Returns the norm before clipping.
+  double clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across = {});
+  // Whole-parameter norms of the pieces (Note [Whole-parameter norms]).
+  const WholeNormsPtr& whole_norms() const { return norms_; }
 
   torch::optim::Optimizer& inner() { return *optimizer_; }
   const ShardedModulePtr& module() const { return module_; }
@@ -78,6 +92,7 @@ class ShardedOptimizer {
   ShardedOptimizerOptions options_;
   std::vector<Piece> pieces_;
   std::vector<Offloaded> offloaded_;  // per bucket, when offloading
+  WholeNormsPtr norms_;
 };
 
 }  // namespace parallel

@@ -1,0 +1,80 @@
+#pragma once
+// Per-parameter optimizer state found by the parameter's address (LibTorch's
+// own map, whose key type differs between 1.13 and 2.x: LIBTORCH_NOTES 1) and
+// saved by the parameter's position in the param groups, so a checkpoint
+// does not depend on addresses or on the LibTorch version.
+#include "tessera/parallel/whole_norms.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+namespace tessera {
+namespace optim {
+namespace detail {
+
+using StateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+
+// A template so that only the branch of this LibTorch's key type is compiled.
+template <typename Key = StateMap::key_type>
+Key state_key(const at::Tensor& p) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream os;
+    os << p.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
+
+// The state of p, created by `init` on first use.
+template <typename State, typename Init>
+State& state_of(torch::optim::Optimizer& opt, const at::Tensor& p, Init&& init) {
+  auto& map = opt.state();
+  const auto key = state_key(p);
+  auto it = map.find(key);
+  if (it == map.end()) {
+    auto s = std::make_unique<State>();
+    init(*s);
+    it = map.emplace(key, std::move(s)).first;
+  }
+  return static_cast<State&>(*it->second);
+}
+
+// Calls fn(index, param) for every parameter of every group, in order.
+template <typename Fn>
+void for_each_param(const torch::optim::Optimizer& opt, Fn&& fn) {
+  int64_t i = 0;
+  for (const auto& group : opt.param_groups())
+    for (const auto& p : group.params()) fn(i++, p);
+}
+
+// Runs the optimizer's closure, if any, with gradients on.
+inline at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable(true);
+  return closure();
+}
+
+// [n, 2] squared norms from two norms per parameter (in order), made whole
+// by `whole` when given (Note [Whole-parameter norms]): one exchange per step.
+inline at::Tensor pair_squares(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& norms,
+                               const parallel::WholeNorms* whole) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  at::Tensor squares = n == 0 ? at::zeros({0, 2}, at::kDouble) : at::stack(norms).to(at::kDouble).pow(2).view({n, 2});
+  if (whole != nullptr) whole->reduce(params, squares);
+  return squares;
+}
+
+inline std::string key(const char* optimizer, int64_t index, const char* field) {
+  return std::string(optimizer) + "/" + std::to_string(index) + "/" + field;
+}
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace tessera

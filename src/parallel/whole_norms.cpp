@@ -1,0 +1,78 @@
+#include "tessera/parallel/whole_norms.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <set>
+
+namespace tessera {
+namespace parallel {
+
+TensorParallelNorms::TensorParallelNorms(std::vector<at::Tensor> sharded, comm::CommunicatorPtr group)
+    : sharded_(std::move(sharded)), group_(std::move(group)) {
+  TORCH_CHECK(group_ != nullptr, "TensorParallelNorms needs the tensor group");
+}
+
+void TensorParallelNorms::reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const {
+  if (group_->size() == 1) return;
+  std::set<const c10::TensorImpl*> sharded;
+  for (const auto& p : sharded_) sharded.insert(p.unsafeGetTensorImpl());
+  at::Tensor mask = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
+  for (size_t i = 0; i < params.size(); ++i)
+    if (sharded.count(params[i].unsafeGetTensorImpl())) mask[static_cast<int64_t>(i)] = 1.0;
+  at::Tensor summed = squares * mask;
+  group_->all_reduce(summed);
+  squares = summed + squares * (1.0 - mask);
+}
+
+double WholeNorms::total(const std::vector<at::Tensor>& params, at::Tensor squares) const {
+  reduce(params, squares);
+  return squares.select(1, 0).sum().item<double>();
+}
+
+namespace {
+
+// [n, 1] local squared norms of the tensors (or their gradients).
+at::Tensor local_squares(const std::vector<at::Tensor>& params, bool gradients) {
+  at::NoGradGuard no_grad;
+  at::Tensor squares = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
+  auto acc = squares.accessor<double, 2>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor t = gradients ? params[i].grad() : params[i];
+    if (!t.defined()) continue;
+    const double n = t.detach().to(at::kDouble).norm().item<double>();
+    acc[static_cast<int64_t>(i)][0] = n * n;
+  }
+  return squares;
+}
+
+}  // namespace
+
+at::Tensor whole_squares(const std::vector<at::Tensor>& params, const WholeNorms* norms, bool gradients) {
+  at::Tensor squares = local_squares(params, gradients);
+  if (norms != nullptr) norms->reduce(params, squares);
+  return squares.view({-1});
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, const WholeNorms* norms,
+                      const std::vector<comm::CommunicatorPtr>& across) {
+  TORCH_CHECK(max_norm > 0 && std::isfinite(max_norm),
+              "clip_grad_norm: max_norm must be a positive finite number, got ", max_norm);
+  at::Tensor squares = local_squares(params, /*gradients=*/true);
+  at::Tensor total =
+      at::tensor({norms != nullptr ? norms->total(params, squares) : squares.sum().item<double>()}, at::kDouble);
+  for (const auto& group : across)
+    if (group && group->size() > 1) group->all_reduce(total);
+  const double norm = std::sqrt(total.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (const auto& p : params)
+      if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace parallel
+}  // namespace tessera
