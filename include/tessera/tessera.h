@@ -21,6 +21,7 @@
 #include "tessera/core/threads.h"
 #include "tessera/optim/lamb.h"
 #include "tessera/optim/lars.h"
+#include "tessera/optim/loss_scaler.h"
 #include "tessera/optim/param_groups.h"
 #include "tessera/parallel/pipeline_executor.h"
 #include "tessera/parallel/pipeline_partition.h"

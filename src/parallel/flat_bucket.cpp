@@ -3,6 +3,8 @@
 #include "tessera/core/error.h"
 #include "tessera/parallel/sharded_module.h"
 
+#include "storage.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StorageImpl.h>
@@ -11,21 +13,8 @@ namespace tessera {
 namespace parallel {
 namespace {
 
-// Frees the memory of t's storage but keeps the storage object, which the
-// parameters and the tensors autograd saved for backward point at.
-void release_storage(const at::Tensor& t) {
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() == 0) return;
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  impl->set_nbytes(0);
-}
-
-void restore_storage(const at::Tensor& t, int64_t nbytes) {
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  if (static_cast<int64_t>(impl->nbytes()) == nbytes) return;
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
-  impl->set_nbytes(nbytes);
-}
+using detail::release_storage;
+using detail::restore_storage;
 
 int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 

@@ -3,6 +3,8 @@
 #include "tessera/core/error.h"
 #include "tessera/parallel/flat_bucket.h"
 
+#include "storage.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -103,21 +105,26 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
     const auto& slots = module_->bucket(b).slots();
     for (size_t i = 0; i < slots.size(); ++i) where[slots[i].param.unsafeGetTensorImpl()] = {b, i};
   }
-  if (options_.offload()) {
+  bool other_dtype = false;
+  for (size_t b = 0; b < module_->num_buckets(); ++b)
+    other_dtype |= module_->bucket(b).param_chunk(d).scalar_type() != options_.master_dtype();
+  if (options_.offload() || other_dtype) {  // Note [Master copies]
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < module_->num_buckets(); ++b) {
       FlatBucket& bucket = module_->bucket(b);
       at::Tensor chunk = bucket.param_chunk(d);
-      auto cpu = chunk.options().device(at::kCPU).pinned_memory(bucket.device().is_cuda());
-      Offloaded o;
-      if (bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda()) {
+      auto where_to = chunk.options().dtype(options_.master_dtype());
+      if (options_.offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
+      Master o;
+      if (options_.offload() && bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda() &&
+          chunk.scalar_type() == options_.master_dtype()) {
         o.master = chunk;  // the parameter shard already lives on the CPU
       } else {
-        o.master = at::empty({chunk.numel()}, cpu);
+        o.master = at::empty({chunk.numel()}, where_to);
         o.master.copy_(chunk);
       }
-      o.master_grad = at::zeros({chunk.numel()}, cpu);
-      offloaded_.push_back(std::move(o));
+      o.master_grad = at::zeros({chunk.numel()}, where_to);
+      masters_.push_back(std::move(o));
     }
   }
 
@@ -147,8 +154,8 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
       const int64_t begin = std::max(slot.offset, chunk_begin);
       const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + chunk_size);
       if (begin >= end) continue;
-      at::Tensor param_chunk = options_.offload() ? offloaded_[b].master : bucket.param_chunk(d);
-      at::Tensor grad_chunk = options_.offload() ? offloaded_[b].master_grad : bucket.grad_chunk(d);
+      at::Tensor param_chunk = masters_.empty() ? bucket.param_chunk(d) : masters_[b].master;
+      at::Tensor grad_chunk = masters_.empty() ? bucket.grad_chunk(d) : masters_[b].master_grad;
       at::Tensor piece = param_chunk.narrow(0, begin - chunk_begin, end - begin);
       piece.mutable_grad() = grad_chunk.narrow(0, begin - chunk_begin, end - begin);
       pieces.push_back(piece);
@@ -158,33 +165,56 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
     group.params() = std::move(pieces);
   }
 
+  skip_step();  // the pieces' gradient views exist; the master gradients' memory waits for a step
   const double replicas = static_cast<double>(module_->group()->size()) / d;
   norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), module_->group(), replicas,
                                         options_.whole_norms());
   if (auto* aware = dynamic_cast<NormAware*>(optimizer_.get())) aware->set_whole_norms(norms_);
 }
 
-double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across) {
+void ShardedOptimizer::load_master_grads() {
   module_->finish_gradient_sync();
+  if (masters_.empty() || master_grads_ready_) return;
+  at::NoGradGuard no_grad;
+  const int d = module_->degrees().optim;
+  for (size_t b = 0; b < masters_.size(); ++b) {
+    FlatBucket& bucket = module_->bucket(b);
+    at::Tensor& g = masters_[b].master_grad;
+    detail::restore_storage(g, g.numel() * static_cast<int64_t>(g.element_size()));
+    g.copy_(bucket.grad_chunk(d), /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
+  }
+  if (options_.offload())
+    for (size_t b = 0; b < masters_.size(); ++b) sync_device(module_->bucket(b).device());
+  master_grads_ready_ = true;
+}
+
+std::vector<at::Tensor> ShardedOptimizer::pieces_for_step() {
+  load_master_grads();
   std::vector<at::Tensor> pieces;
   for (const auto& p : pieces_) pieces.push_back(p.param);
-  return parallel::clip_grad_norm(pieces, max_norm, norms_.get(), across);
+  return pieces;
+}
+
+void ShardedOptimizer::skip_step() {
+  module_->finish_gradient_sync();
+  if (!options_.offload())
+    for (auto& m : masters_) detail::release_storage(m.master_grad);
+  master_grads_ready_ = false;
+}
+
+double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across) {
+  return parallel::clip_grad_norm(pieces_for_step(), max_norm, norms_.get(), across);
 }
 
 void ShardedOptimizer::step() {
-  module_->finish_gradient_sync();
+  load_master_grads();
   const int d = module_->degrees().optim;
   at::NoGradGuard no_grad;
-  if (!options_.offload()) {
+  if (masters_.empty()) {
     optimizer_->step();
   } else {
-    for (size_t b = 0; b < offloaded_.size(); ++b) {
-      FlatBucket& bucket = module_->bucket(b);
-      offloaded_[b].master_grad.copy_(bucket.grad_chunk(d), /*non_blocking=*/bucket.device().is_cuda());
-    }
-    for (size_t b = 0; b < offloaded_.size(); ++b) sync_device(module_->bucket(b).device());
     const int threads = at::get_num_threads();
-    at::set_num_threads(options_.offload_threads());
+    if (options_.offload()) at::set_num_threads(options_.offload_threads());
     try {
       optimizer_->step();
     } catch (...) {
@@ -192,18 +222,21 @@ void ShardedOptimizer::step() {
       throw;
     }
     at::set_num_threads(threads);
-    for (size_t b = 0; b < offloaded_.size(); ++b) {
+    for (size_t b = 0; b < masters_.size(); ++b) {
       FlatBucket& bucket = module_->bucket(b);
       at::Tensor chunk = bucket.param_chunk(d);
-      if (!chunk.is_same(offloaded_[b].master)) chunk.copy_(offloaded_[b].master, bucket.device().is_cuda());
+      if (!chunk.is_same(masters_[b].master))
+        chunk.copy_(masters_[b].master, options_.offload() && bucket.device().is_cuda());
     }
+    skip_step();  // the master gradients are spent
   }
+  master_grads_ready_ = false;
   module_->sync_params_after_step();
 }
 
 void ShardedOptimizer::zero_grad() {
-  module_->zero_grad();
-  for (auto& o : offloaded_) o.master_grad.zero_();
+  module_->zero_grad();  // master gradients are overwritten before every step
+  master_grads_ready_ = false;
 }
 
 int64_t ShardedOptimizer::state_bytes() const {
@@ -235,11 +268,11 @@ int64_t ShardedOptimizer::state_bytes() const {
   }
   if (auto* listed = dynamic_cast<const StateTensors*>(optimizer_.get()))
     for (const auto& t : listed->state_tensors()) add_storage(seen, bytes, t);
-  for (size_t b = 0; b < offloaded_.size(); ++b) {
+  for (size_t b = 0; b < masters_.size(); ++b) {
     // Master copies that are not the parameter shard itself count as optimizer state.
-    if (!offloaded_[b].master.is_same(module_->bucket(b).param_chunk(module_->degrees().optim)))
-      add_storage(seen, bytes, offloaded_[b].master);
-    add_storage(seen, bytes, offloaded_[b].master_grad);
+    if (!masters_[b].master.is_same(module_->bucket(b).param_chunk(module_->degrees().optim)))
+      add_storage(seen, bytes, masters_[b].master);
+    add_storage(seen, bytes, masters_[b].master_grad);
   }
   return bytes;
 }
