@@ -54,6 +54,17 @@ void for_each_param(const torch::optim::Optimizer& opt, Fn&& fn) {
     for (const auto& p : group.params()) fn(i++, p);
 }
 
+// LibTorch 2.x replaces the options of a param group by the defaults merged
+// with them field by field, but only for its own optimizer types; for ours
+// it keeps the defaults alone. Puts back the options each group was given.
+inline void restore_group_options(torch::optim::Optimizer& opt,
+                                  const std::vector<torch::optim::OptimizerParamGroup>& given) {
+  auto& groups = opt.param_groups();
+  TORCH_INTERNAL_ASSERT(groups.size() == given.size());
+  for (size_t i = 0; i < given.size(); ++i)
+    if (given[i].has_options()) groups[i].set_options(given[i].options().clone());
+}
+
 // Runs the optimizer's closure, if any, with gradients on.
 inline at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};

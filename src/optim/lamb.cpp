@@ -22,7 +22,8 @@ void LambOptions::validate() const {
 }
 
 Lamb::Lamb(std::vector<torch::optim::OptimizerParamGroup> param_groups, LambOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<LambOptions>(defaults)) {
+    : Optimizer(param_groups, std::make_unique<LambOptions>(defaults)) {
+  detail::restore_group_options(*this, param_groups);
   defaults.validate();
   for (const auto& g : this->param_groups()) static_cast<const LambOptions&>(g.options()).validate();
 }

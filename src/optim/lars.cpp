@@ -19,7 +19,8 @@ void LarsOptions::validate() const {
 }
 
 Lars::Lars(std::vector<torch::optim::OptimizerParamGroup> param_groups, LarsOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<LarsOptions>(defaults)) {
+    : Optimizer(param_groups, std::make_unique<LarsOptions>(defaults)) {
+  detail::restore_group_options(*this, param_groups);
   defaults.validate();
   for (const auto& g : this->param_groups()) static_cast<const LarsOptions&>(g.options()).validate();
 }
