@@ -12,6 +12,7 @@
 #include "tessera/parallel/pipeline_partition.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/parallel/whole_norms.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -131,6 +132,45 @@ TEST_P(PipelineSchedules, ThreeStepsOfGPTEqualSerial) {
     SCOPED_TRACE("micro-batches " + std::to_string(m));
     expect_matches_serial(ctx, m, PipelineOptions().schedule(GetParam().kind).chunks(GetParam().chunks));
   }
+}
+
+// Global gradient clipping over the pipeline: each rank's parameters once
+// (the tied embedding counted on the first stage only), the squares summed
+// over the pipeline group, equal to clipping the serial GPT.
+TEST(PipelineClipping, GlobalNormOverStagesEqualsSerial) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "runs at 1, 2 and 4 ranks";
+  constexpr double kMax = 0.5;
+  auto w = test::world();
+  const int64_t rows = 2 * p;
+  torch::manual_seed(7);
+  models::GPT serial(config(), factory(w->split(w->rank(), 0, "self")));
+  torch::optim::SGD serial_opt(serial->parameters(), sgd());
+  auto ctx = pipeline_context();
+  torch::manual_seed(7);
+  models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+  PipelineExecutor pipe(
+      gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
+      PipelineOptions().microbatches(p));
+  torch::optim::SGD opt(pipe.parameters(), sgd());
+  for (int step = 0; step < kSteps; ++step) {
+    serial_opt.zero_grad();
+    serial->loss(serial->forward(ids(rows, 10 + step)), ids(rows, 20 + step)).backward();
+    const double expected = torch::nn::utils::clip_grad_norm_(serial->parameters(), kMax);
+    serial_opt.step();
+    opt.zero_grad();
+    pipe.run(ids(rows, 10 + step), ids(rows, 20 + step));
+    const double norm =
+        parallel::clip_grad_norm(pipe.unique_parameters(), kMax, nullptr, {pipe.group()}, pipe.tied_copies());
+    EXPECT_NEAR(norm, expected, kTolerance * expected) << "step " << step;
+    EXPECT_GT(norm, kMax) << "the test must clip";
+    opt.step();
+  }
+  const auto named = local_named(pipe);
+  std::map<std::string, at::Tensor> reference;
+  for (const auto& q : serial->named_parameters()) reference[q.key()] = q.value();
+  for (const auto& [name, param] : named)
+    EXPECT_LE(test::rel_error(param.detach(), reference.at(name)), kTolerance) << name;
 }
 
 // Other cuts of the same model train the same.

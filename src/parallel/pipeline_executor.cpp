@@ -164,6 +164,19 @@ std::vector<at::Tensor> PipelineExecutor::parameters() const {
   return out;
 }
 
+std::vector<at::Tensor> PipelineExecutor::tied_copies() const {
+  return chunks_.count(0) ? std::vector<at::Tensor>{} : tied_;
+}
+
+std::vector<at::Tensor> PipelineExecutor::unique_parameters() const {
+  std::set<const c10::TensorImpl*> tied;
+  for (const auto& p : tied_copies()) tied.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters())
+    if (!tied.count(p.unsafeGetTensorImpl())) out.push_back(p);
+  return out;
+}
+
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> PipelineExecutor::local_layers() const {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
   for (const auto& [s, chunk] : chunks_)

@@ -56,7 +56,7 @@ at::Tensor whole_squares(const std::vector<at::Tensor>& params, const WholeNorms
 }
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, const WholeNorms* norms,
-                      const std::vector<comm::CommunicatorPtr>& across) {
+                      const std::vector<comm::CommunicatorPtr>& across, const std::vector<at::Tensor>& uncounted) {
   TORCH_CHECK(max_norm > 0 && std::isfinite(max_norm),
               "clip_grad_norm: max_norm must be a positive finite number, got ", max_norm);
   at::Tensor squares = local_squares(params, /*gradients=*/true);
@@ -68,8 +68,9 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, co
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     at::NoGradGuard no_grad;
-    for (const auto& p : params)
-      if (p.grad().defined()) p.grad().mul_(coef);
+    for (const auto* list : {&params, &uncounted})
+      for (const auto& p : *list)
+        if (p.grad().defined()) p.grad().mul_(coef);
   }
   return norm;
 }

@@ -87,6 +87,13 @@ class PipelineExecutor {
 
   // The parameters of this rank's stages, each once: give them to the optimizer.
   std::vector<at::Tensor> parameters() const;
+  // parameters() without the last stage's copies of tied weights (unless
+  // this rank also holds the first stage): every parameter of the model
+  // once over the pipeline group, for global norms (clip_grad_norm across it).
+  std::vector<at::Tensor> unique_parameters() const;
+  // The tied copies unique_parameters() leaves out: clipping must still
+  // scale them so that both holders keep equal weights.
+  std::vector<at::Tensor> tied_copies() const;
   // The layers of this rank's stages, with the model's names ("h3", ...).
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> local_layers() const;
   const Schedule& schedule() const { return schedule_; }

@@ -73,10 +73,12 @@ at::Tensor whole_squares(const std::vector<at::Tensor>& params, const WholeNorms
 // the norm of all gradients together: each element once, over the groups
 // `norms` knows (WholeNorms::total), then summed over `across` (groups that
 // hold disjoint parameters, such as the pipeline group: list a tied
-// parameter on one stage only). Returns the norm before clipping, the same
-// on every rank.
+// parameter on one stage only, and its other copies in `uncounted`, which
+// are scaled alike but add nothing to the norm). Returns the norm before
+// clipping, the same on every rank.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, const WholeNorms* norms = nullptr,
-                      const std::vector<comm::CommunicatorPtr>& across = {});
+                      const std::vector<comm::CommunicatorPtr>& across = {},
+                      const std::vector<at::Tensor>& uncounted = {});
 
 }  // namespace parallel
 }  // namespace tessera
