@@ -1,5 +1,7 @@
 #include "tessera/models/gpt.h"
 
+#include "tessera/nn/activation_checkpoint.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/container/any.h>
@@ -34,7 +36,7 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 class GPTBlockImpl : public torch::nn::Module {
  public:
   GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f)
-      : heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads) {
+      : heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads), checkpoint_(c.checkpoint_activations) {
     TORCH_CHECK(c.hidden % c.heads == 0, "GPT hidden size ", c.hidden, " is not divisible by heads ", c.heads);
     ln_1 = f.layer_norm(c.hidden);
     c_attn = f.linear(c.hidden, 3 * c.hidden, nn::LinearRole::kColumn, true);
@@ -58,13 +60,20 @@ class GPTBlockImpl : public torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = x + resid_drop_1.forward(attn_proj.forward(attention(ln_1.forward(x))));
-    return h + resid_drop_2.forward(mlp_proj.forward(at::gelu(c_fc.forward(ln_2.forward(h)))));
+    if (!checkpoint_) return body(x);
+    // Only x is kept for backward; the block's own dropouts replay their masks.
+    return nn::checkpoint(
+        *this, [this](const at::Tensor& in) { return body(in); }, x);
   }
 
   torch::nn::AnyModule ln_1, c_attn, attn_drop, attn_proj, resid_drop_1, ln_2, c_fc, mlp_proj, resid_drop_2;
 
  private:
+  at::Tensor body(const at::Tensor& x) {
+    at::Tensor h = x + resid_drop_1.forward(attn_proj.forward(attention(ln_1.forward(x))));
+    return h + resid_drop_2.forward(mlp_proj.forward(at::gelu(c_fc.forward(ln_2.forward(h)))));
+  }
+
   // [b, s, local heads · 3 · head_dim] (rows grouped per head) -> [b, s, local heads · head_dim].
   at::Tensor attention(const at::Tensor& x) {
     at::Tensor qkv = c_attn.forward(x);
@@ -80,6 +89,7 @@ class GPTBlockImpl : public torch::nn::Module {
 
   int64_t heads_;
   int64_t head_dim_;
+  bool checkpoint_;
 };
 
 namespace {
@@ -227,6 +237,16 @@ std::map<std::string, at::Tensor> GPTImpl::full_state(bool gradients) {
     if (n.has_bias) state[n.prefix + ".bias"] = full.second;
   }
   return state;
+}
+
+std::vector<std::pair<std::string, nn::ParamPlacement>> GPTImpl::placements() {
+  std::vector<std::pair<std::string, nn::ParamPlacement>> out;
+  for (auto& n : named_layers()) {
+    auto [weight, bias] = factory_->placements(*n.layer);
+    out.emplace_back(n.prefix + ".weight", std::move(weight));
+    if (n.has_bias) out.emplace_back(n.prefix + ".bias", std::move(bias));
+  }
+  return out;
 }
 
 }  // namespace models

@@ -152,6 +152,24 @@ class Factory1D : public LayerFactory {
     return out;
   }
 
+  std::pair<ParamPlacement, ParamPlacement> placements(torch::nn::AnyModule& layer) override {
+    auto module = layer.ptr();
+    auto maybe = [](const at::Tensor& p) { return p.defined() ? replicated_placement(p) : ParamPlacement(); };
+    if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) {
+      ParamPlacement bias;
+      if (c->bias.defined()) bias = sharded_placement(c->bias, 0, c->options.out_features(), *group_);
+      return {sharded_placement(c->weight, 0, c->options.out_features(), *group_), bias};
+    }
+    if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module))
+      return {sharded_placement(r->weight, 1, r->options.in_features(), *group_), maybe(r->bias)};
+    if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module))
+      return {sharded_placement(e->weight, 0, e->options.num_embeddings(), *group_), ParamPlacement()};
+    if (auto n = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module)) return {maybe(n->weight), maybe(n->bias)};
+    if (auto p = std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module))
+      return {maybe(p->weight), ParamPlacement()};
+    TORCH_CHECK(false, "the 1D layer factory cannot place the weights of ", module->name());
+  }
+
   std::vector<at::Tensor> sharded_parameters(torch::nn::Module& model) override {
     std::vector<at::Tensor> out;
     for (const auto& module : model.modules()) {

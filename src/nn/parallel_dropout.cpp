@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <mutex>
+
 namespace tessera {
 namespace nn {
 
@@ -35,6 +37,25 @@ at::Tensor ParallelDropoutImpl::forward(const at::Tensor& input) {
   mask.bernoulli_(keep, generator_for(input.device()));
   return input * mask.div_(keep);
 }
+
+namespace {
+
+// Generators are handles: a copy of the state is a clone.
+ParallelDropoutImpl::RngState clone_streams(const ParallelDropoutImpl::RngState& streams) {
+  ParallelDropoutImpl::RngState out;
+  for (const auto& entry : streams) {
+    at::Generator gen = entry.second;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.emplace(entry.first, gen.clone());
+  }
+  return out;
+}
+
+}  // namespace
+
+ParallelDropoutImpl::RngState ParallelDropoutImpl::rng_state() const { return clone_streams(generators_); }
+
+void ParallelDropoutImpl::set_rng_state(const RngState& state) { generators_ = clone_streams(state); }
 
 void ParallelDropoutImpl::pretty_print(std::ostream& stream) const {
   stream << "tessera::nn::ParallelDropout(p=" << options.p() << ", seed=" << options.seed() << ")";

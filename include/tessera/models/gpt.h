@@ -35,6 +35,10 @@ struct GPTConfig {
   int64_t hidden = 768;
   double dropout = 0.0;
   bool tied = true;
+  // Recompute each block's activations in backward instead of keeping them
+  // (nn/activation_checkpoint.h): one more block forward per backward, the
+  // same gradients, dropout included.
+  bool checkpoint_activations = false;
 
   // "tiny" (tests), "small" (GPT-2 124M), "medium" (GPT-2 350M).
   static GPTConfig preset(const std::string& name);
@@ -70,6 +74,9 @@ class GPTImpl : public torch::nn::Module {
   void load_full_state(const std::map<std::string, at::Tensor>& state);
   // Full parameters (or, with gradients = true, full gradients); collective.
   std::map<std::string, at::Tensor> full_state(bool gradients = false);
+  // Every parameter with its full_state() name and where it sits in the
+  // full tensor (for checkpoints that reshard); local, no communication.
+  std::vector<std::pair<std::string, nn::ParamPlacement>> placements();
 
   const GPTConfig& config() const { return config_; }
   const std::shared_ptr<nn::LayerFactory>& factory() const { return factory_; }

@@ -24,6 +24,7 @@
 //   embeddings and row biases).
 #include "tessera/comm/communicator.h"
 #include "tessera/nn/partial_gradients.h"
+#include "tessera/nn/shard.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/any.h>
@@ -66,6 +67,9 @@ class LayerFactory {
   // with gradients = true the full gradients instead (collective).
   virtual void load_full(torch::nn::AnyModule& layer, const at::Tensor& weight, const at::Tensor& bias) = 0;
   virtual std::pair<at::Tensor, at::Tensor> full_weights(torch::nn::AnyModule& layer, bool gradients = false) = 0;
+  // Where this rank's weight and bias of a layer this factory made sit in
+  // the full tensors (the bias placement's param undefined where none).
+  virtual std::pair<ParamPlacement, ParamPlacement> placements(torch::nn::AnyModule& layer) = 0;
 
   // Logits [.., vocab shard] from block-layout hidden states and the
   // vocabulary embedding (tied head) this factory made.

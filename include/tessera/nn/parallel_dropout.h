@@ -42,6 +42,14 @@ class ParallelDropoutImpl : public torch::nn::Cloneable<ParallelDropoutImpl> {
   // probability p and scales the rest by 1 / (1 - p), like torch dropout.
   at::Tensor forward(const at::Tensor& input);
 
+  // Copies of the random streams (one per device used so far), so that
+  // activation checkpointing can replay a forward's masks; set_rng_state
+  // makes the layer draw from copies of `state` (a device missing from it
+  // restarts from the seed). Note [Activation checkpointing and RNG].
+  using RngState = std::map<std::string, at::Generator>;
+  RngState rng_state() const;
+  void set_rng_state(const RngState& state);
+
   ParallelDropoutOptions options;
 
  private:
