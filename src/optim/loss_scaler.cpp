@@ -79,5 +79,14 @@ bool LossScaler::step(parallel::ShardedOptimizer& optimizer) {
   return ok;
 }
 
+void LossScaler::load_state(const State& s) {
+  TORCH_CHECK(s.scale > 0 && std::isfinite(s.scale), "LossScaler: a loaded scale must be positive and finite, got ",
+              s.scale);
+  scale_ = s.scale;
+  clean_steps_ = s.clean_steps;
+  hysteresis_left_ = s.hysteresis_left;
+  skipped_ = s.skipped;
+}
+
 }  // namespace optim
 }  // namespace tessera

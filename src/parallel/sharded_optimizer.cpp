@@ -159,7 +159,7 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
       at::Tensor piece = param_chunk.narrow(0, begin - chunk_begin, end - begin);
       piece.mutable_grad() = grad_chunk.narrow(0, begin - chunk_begin, end - begin);
       pieces.push_back(piece);
-      pieces_.push_back(Piece{b, piece});
+      pieces_.push_back(Piece{b, piece, slot.param, begin - slot.offset});
       piece_row[piece.unsafeGetTensorImpl()] = param_row.at(slot.param.unsafeGetTensorImpl());
     }
     group.params() = std::move(pieces);
@@ -202,13 +202,18 @@ void ShardedOptimizer::skip_step() {
   master_grads_ready_ = false;
 }
 
-double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across) {
-  return parallel::clip_grad_norm(pieces_for_step(), max_norm, norms_.get(), across);
+double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across,
+                                        const std::vector<at::Tensor>& uncounted) {
+  load_master_grads();
+  std::set<const c10::TensorImpl*> skip;
+  for (const auto& p : uncounted) skip.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> counted, scaled_only;
+  for (const auto& p : pieces_) (skip.count(p.owner.unsafeGetTensorImpl()) ? scaled_only : counted).push_back(p.param);
+  return parallel::clip_grad_norm(counted, max_norm, norms_.get(), across, scaled_only);
 }
 
 void ShardedOptimizer::step() {
   load_master_grads();
-  const int d = module_->degrees().optim;
   at::NoGradGuard no_grad;
   if (masters_.empty()) {
     optimizer_->step();
@@ -222,15 +227,33 @@ void ShardedOptimizer::step() {
       throw;
     }
     at::set_num_threads(threads);
-    for (size_t b = 0; b < masters_.size(); ++b) {
-      FlatBucket& bucket = module_->bucket(b);
-      at::Tensor chunk = bucket.param_chunk(d);
-      if (!chunk.is_same(masters_[b].master))
-        chunk.copy_(masters_[b].master, options_.offload() && bucket.device().is_cuda());
-    }
+    copy_masters_to_params();
     skip_step();  // the master gradients are spent
   }
   master_grads_ready_ = false;
+  module_->sync_params_after_step();
+}
+
+void ShardedOptimizer::copy_masters_to_params() {
+  at::NoGradGuard no_grad;
+  const int d = module_->degrees().optim;
+  for (size_t b = 0; b < masters_.size(); ++b) {
+    FlatBucket& bucket = module_->bucket(b);
+    at::Tensor chunk = bucket.param_chunk(d);
+    if (!chunk.is_same(masters_[b].master))
+      chunk.copy_(masters_[b].master, options_.offload() && bucket.device().is_cuda());
+  }
+}
+
+std::vector<ShardedOptimizer::PieceView> ShardedOptimizer::piece_views() const {
+  std::vector<PieceView> out;
+  for (const auto& p : pieces_) out.push_back(PieceView{p.owner, p.begin, p.begin + p.param.numel(), p.param});
+  return out;
+}
+
+void ShardedOptimizer::sync_params_from_pieces() {
+  copy_masters_to_params();
+  for (size_t b = 0; b < masters_.size(); ++b) sync_device(module_->bucket(b).device());
   module_->sync_params_after_step();
 }
 

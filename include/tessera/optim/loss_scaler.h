@@ -51,6 +51,16 @@ class LossScaler {
   // unscale + ShardedOptimizer::step or skip_step + update; true if stepped.
   bool step(parallel::ShardedOptimizer& optimizer);
 
+  // What a checkpoint keeps of the scaler.
+  struct State {
+    double scale = 0;
+    int64_t clean_steps = 0;
+    int64_t hysteresis_left = 0;
+    int64_t skipped = 0;
+  };
+  State state() const { return {scale_, clean_steps_, hysteresis_left_, skipped_}; }
+  void load_state(const State& s);
+
   double current_scale() const { return scale_; }
   int64_t skipped_steps() const { return skipped_; }
   const LossScalerOptions& options() const { return options_; }

@@ -68,8 +68,11 @@ class ShardedOptimizer {
   // Clips the reduced gradients of all pieces by their global norm
   // (parallel::clip_grad_norm with this optimizer's WholeNorms); call it
   // between backward and step. `across`: groups holding other parameters
-  // (the pipeline group). Returns the norm before clipping.
-  double clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across = {});
+  // (the pipeline group); `uncounted`: module parameters scaled but not
+  // counted (a tied weight's second holder: PipelineExecutor::tied_copies()).
+  // Returns the norm before clipping.
+  double clip_grad_norm(double max_norm, const std::vector<comm::CommunicatorPtr>& across = {},
+                        const std::vector<at::Tensor>& uncounted = {});
   // The tensors the optimizer steps, with their gradients ready (copied into
   // the masters when there are masters): for a loss scaler's unscale and
   // overflow check before step().
@@ -83,6 +86,20 @@ class ShardedOptimizer {
   const ShardedModulePtr& module() const { return module_; }
   // The pieces this rank steps, with the bucket each comes from.
   size_t num_pieces() const { return pieces_.size(); }
+  // A piece as a checkpoint sees it: the module parameter, the flat range
+  // [begin, end) of it that the piece covers, and the tensor the optimizer
+  // steps (its state is keyed by it; a view into a master copy when there
+  // are masters).
+  struct PieceView {
+    at::Tensor param;
+    int64_t begin = 0;
+    int64_t end = 0;
+    at::Tensor value;
+  };
+  std::vector<PieceView> piece_views() const;
+  // After the pieces' values were overwritten (a checkpoint loaded): copies
+  // masters into the parameters and re-gathers them, as step() does.
+  void sync_params_from_pieces();
 
   // Optimizer states (and offloaded master copies) held by this rank, by
   // live storage. Knows the states of LibTorch's Adam, AdamW, SGD, RMSprop
@@ -94,8 +111,11 @@ class ShardedOptimizer {
  private:
   struct Piece {
     size_t bucket;
-    at::Tensor param;  // view the optimizer steps
+    at::Tensor param;   // view the optimizer steps
+    at::Tensor owner;   // the module parameter it is part of
+    int64_t begin = 0;  // flat offset in owner
   };
+  void copy_masters_to_params();
   struct Master {
     at::Tensor master;       // the bucket's optimizer chunk, in master_dtype (CPU when offloading)
     at::Tensor master_grad;  // its gradient; memory held only around a step unless offloading

@@ -1,0 +1,101 @@
+#pragma once
+// Distributed checkpoints: every rank writes the pieces of tensors it holds
+// to its own safetensors file, and one index.json says, for every tensor,
+// its full shape and where each piece of it lies, so that a checkpoint
+// loads into any other parallel configuration (docs/checkpoints.md).
+//
+// Note [Checkpoint layout]
+// A piece is the part of a full tensor one rank holds: a region (rows
+// [offset, offset + length) along dim of the full tensor, or all of it,
+// as nn::ParamPlacement says for tensor-parallel shards), and of that
+// region, read row-major, the flat range [flat_begin, flat_end) (a ZeRO
+// shard of a tensor-parallel shard). Pieces that several ranks hold alike
+// (data-parallel replicas, tensors replicated over the tensor group, tied
+// weights on two stages) are written once, by one of them, chosen
+// round-robin so that the writing is spread. A reader assembles a full
+// tensor from its pieces and refuses one that has holes.
+//
+// Note [Atomic checkpoints]
+// save_checkpoint writes into DIR.partial; each file goes to a temporary
+// name first and is renamed when complete; after every rank's file is in
+// place rank 0 writes index.json (also through a rename), then renames
+// DIR.partial to DIR. A save killed at any point leaves DIR absent or
+// complete; the reader refuses a directory without an index, a ".partial"
+// one, and files whose sizes differ from the index, with a message that
+// says so.
+#include "tessera/comm/communicator.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace train {
+
+struct TensorPiece {
+  std::string name;
+  std::vector<int64_t> full_shape;
+  int64_t dim = -1;  // -1: the region is the whole tensor
+  int64_t offset = 0;
+  int64_t length = 0;
+  int64_t flat_begin = 0;
+  int64_t flat_end = -1;  // -1: the whole region
+  at::Tensor data;        // the piece's elements (any shape, numel as described)
+};
+
+struct CheckpointOptions {
+  // Called on each rank once its file is in place, before the index is
+  // written (tests stop a rank there to check atomicity).
+  TORCH_ARG(std::function<void(const std::string& file)>, after_file) = nullptr;
+
+ public:
+  CheckpointOptions() = default;
+};
+
+// Collective over `world`: writes dir/rank-NNNNN.safetensors (ranks that
+// write something) and dir/index.json, with `metadata_json` (a JSON object
+// as text) stored in the index. An existing dir is replaced.
+void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pieces, const std::string& metadata_json,
+                     const comm::CommunicatorPtr& world, const CheckpointOptions& options = {});
+
+class CheckpointReader {
+ public:
+  // Checks the index and the files' sizes; throws naming what is missing.
+  explicit CheckpointReader(std::string dir);
+
+  const std::string& dir() const { return dir_; }
+  const std::string& metadata() const { return metadata_; }  // JSON text
+  int world_size() const { return world_size_; }
+  std::vector<std::string> names(const std::string& prefix = "") const;
+  bool contains(const std::string& name) const { return tensors_.count(name) > 0; }
+  std::vector<int64_t> full_shape(const std::string& name) const;
+  // The full tensor, assembled from its pieces (CPU).
+  at::Tensor full(const std::string& name) const;
+
+ private:
+  struct Piece {
+    std::string file, key;
+    int64_t dim, offset, length, flat_begin, flat_end;
+  };
+  struct Entry {
+    std::vector<int64_t> shape;
+    std::vector<Piece> pieces;
+  };
+  std::string dir_;
+  std::string metadata_;
+  int world_size_ = 0;
+  std::map<std::string, Entry> tensors_;
+};
+
+// Writes the tensors named `prefix`... of a checkpoint, full and with the
+// prefix removed, into one safetensors file (readable by PyTorch and
+// Hugging Face's safetensors).
+void consolidate_checkpoint(const std::string& dir, const std::string& out_file, const std::string& prefix = "model/");
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,50 @@
+#pragma once
+// The safetensors format (Hugging Face): an 8-byte little-endian header
+// length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets"},
+// "__metadata__": {string: string}}, then the tensors' bytes back to back,
+// little-endian, row-major. Written here so that checkpoints are readable by
+// PyTorch, Hugging Face and any JSON + struct reader.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tessera {
+namespace train {
+
+// Writes `tensors` (any device; copied to the CPU, made contiguous) to
+// `path` atomically: into path + ".tmp", flushed, then renamed.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+// A safetensors file opened for reading; tensors are read on demand.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(std::string path);  // throws naming the file and what is wrong
+
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const { return entries_.count(name) > 0; }
+  std::vector<int64_t> shape(const std::string& name) const;
+  at::Tensor read(const std::string& name) const;  // a new CPU tensor
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct Entry {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t begin = 0, end = 0;  // byte offsets after the header
+  };
+  const Entry& entry(const std::string& name) const;
+
+  std::string path_;
+  int64_t data_start_ = 0;
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace train
+}  // namespace tessera

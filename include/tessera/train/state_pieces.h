@@ -1,0 +1,38 @@
+#pragma once
+// The model and optimizer state of a ShardedOptimizer as checkpoint pieces
+// (Note [Checkpoint layout]) and back, by full parameter name, so that a
+// checkpoint loads into another data, tensor or pipeline configuration.
+//
+// Every element of every trained parameter lies in exactly one optimizer
+// piece of each replica group, so the pieces carry the model too:
+// "model/<name>" (the values the optimizer steps: fp32 masters when the
+// model is bf16/fp16), "optim/<state>/<name>" ("exp_avg", ...) and
+// "optim/step/<name>". Loading writes the pieces of the new layout from the
+// full tensors and re-gathers the parameters.
+#include "tessera/nn/shard.h"
+#include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/train/checkpoint.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tessera {
+namespace train {
+
+// Full names and placements of the parameters a rank trains (GPT::placements(),
+// or named_placements() for a module without tensor parallelism).
+using Placements = std::vector<std::pair<std::string, nn::ParamPlacement>>;
+
+// Every parameter of `module` whole, under its name in named_parameters().
+Placements named_placements(torch::nn::Module& module);
+
+std::vector<TensorPiece> optimizer_pieces(parallel::ShardedOptimizer& optimizer, const Placements& placements);
+
+// Loads model and optimizer state from `reader` into this rank's pieces.
+// Throws naming the parameter when the checkpoint lacks it or has another shape.
+void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOptimizer& optimizer,
+                           const Placements& placements);
+
+}  // namespace train
+}  // namespace tessera

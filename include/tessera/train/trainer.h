@@ -1,0 +1,140 @@
+#pragma once
+// The trainer: a model given as a sequence of layers, data parallelism
+// under any sharding spec, a pipeline schedule when the context has
+// pipeline stages, tensor parallelism from the model's layers, any
+// optimizer, mixed precision with loss scaling, global gradient clipping,
+// gradient accumulation and a learning-rate schedule, behind one
+// train_step(); checkpoints that reshard (docs/trainer.md).
+#include "tessera/context/parallel_context.h"
+#include "tessera/nn/partial_gradients.h"
+#include "tessera/optim/loss_scaler.h"
+#include "tessera/parallel/pipeline_executor.h"
+#include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/parallel/whole_norms.h"
+#include "tessera/train/checkpoint.h"
+#include "tessera/train/lr_schedule.h"
+#include "tessera/train/state_pieces.h"
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tessera {
+namespace models {
+class GPTImpl;
+}
+namespace train {
+
+// What the trainer needs to know of a model.
+struct TrainModel {
+  // The model as a sequence of layers (the pipeline cuts it; without a
+  // pipeline each layer is a unit of ZeRO-3 gathering).
+  torch::nn::Sequential layers;
+  // (output of the last layer, targets) -> mean loss over those rows.
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
+  // Full names and placements of the parameters (checkpoints);
+  // named_placements(*layers) when empty.
+  Placements placements;
+  // Gradients partial over the tensor group (sequence-parallel GPT).
+  nn::PartialGradients partial_gradients;
+  // Parameters split over the tensor group (whole norms for LAMB, LARS, clipping).
+  std::vector<at::Tensor> tensor_sharded;
+  comm::CommunicatorPtr tensor_group;
+  std::shared_ptr<torch::nn::Module> owner;  // keeps the model alive
+};
+
+// tessera's GPT as a TrainModel: as_sequential(), its loss, full-weight
+// placements, partial gradients and tensor-sharded parameters.
+TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt);
+
+// (name, parameter) of what this rank trains -> the optimizer over them
+// (param groups as it likes: optim::param_groups for LAMB/LARS).
+using OptimizerFactory =
+    std::function<std::shared_ptr<torch::optim::Optimizer>(const std::vector<std::pair<std::string, at::Tensor>>&)>;
+
+struct TrainerOptions {
+  TORCH_ARG(parallel::ShardingSpec, spec) = parallel::ShardingSpec::ddp();
+  // Schedule, micro-batches, chunks and partition when the context has pipeline stages.
+  TORCH_ARG(parallel::PipelineOptions, pipeline) = {};
+  // Without a pipeline: micro-batches per step, gradients accumulated
+  // without communication until the last.
+  TORCH_ARG(int64_t, accumulation) = 1;
+  TORCH_ARG(double, clip_grad_norm) = 0;  // 0: no clipping
+  // Dynamic loss scaling (fp16 parameters).
+  TORCH_ARG(bool, loss_scaling) = false;
+  TORCH_ARG(optim::LossScalerOptions, scaler) = {};
+  TORCH_ARG(LrSchedule, lr) = {};
+  TORCH_ARG(bool, offload) = false;
+  TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
+
+ public:
+  TrainerOptions() = default;
+};
+
+struct StepStats {
+  int64_t step = 0;  // steps taken after this one
+  double loss = 0;   // mean over the global batch
+  double lr = 0;
+  double grad_norm = -1;  // before clipping; -1 when not clipping
+  bool skipped = false;   // an overflow under loss scaling
+  double seconds = 0;
+};
+
+class Trainer {
+ public:
+  // Collective over the context's world. The model must be built alike on
+  // every rank of a pipeline (same layers and initial values).
+  Trainer(context::ParallelContextPtr ctx, TrainModel model, const OptimizerFactory& make_optimizer,
+          TrainerOptions options = {});
+  ~Trainer();
+
+  // One optimizer step on this data rank's rows of the global batch
+  // (inputs matter on the first pipeline stage, targets on the last).
+  // Collective over the world.
+  StepStats train_step(const at::Tensor& inputs, const at::Tensor& targets);
+  // Mean loss over the global batch, without changing any state. Collective.
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // Checkpoint: model, optimizer, loss scaler, RNG states, step, and
+  // `extra` (a JSON object: the data position, ...). Collective.
+  void save(const std::string& dir, const std::string& extra_json = "{}", const CheckpointOptions& options = {});
+  // Loads a checkpoint saved in any parallel configuration of the same
+  // model; RNG states only when the world size matches. Returns its extra
+  // JSON. Collective.
+  std::string load(const std::string& dir);
+
+  int64_t step() const { return step_; }
+  parallel::ShardedModule& module() { return *sharded_; }
+  parallel::ShardedOptimizer& optimizer() { return *optimizer_; }
+  const std::optional<optim::LossScaler>& scaler() const { return scaler_; }
+  // Model states held by this rank (parameters, gradients, optimizer).
+  parallel::ModelStateBytes memory() const { return optimizer_->memory(); }
+  const context::ParallelContextPtr& context() const { return ctx_; }
+  bool pipelined() const { return pipe_ != nullptr; }
+
+ private:
+  double forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
+  double finish_step();
+
+  context::ParallelContextPtr ctx_;
+  TrainModel model_;
+  TrainerOptions options_;
+  std::unique_ptr<parallel::PipelineExecutor> pipe_;
+  std::shared_ptr<torch::nn::Module> local_;  // the layers this rank trains
+  parallel::ShardedModulePtr sharded_;
+  std::unique_ptr<parallel::ShardedOptimizer> optimizer_;
+  std::optional<optim::LossScaler> scaler_;
+  Placements placements_;  // of local_'s parameters
+  int64_t step_ = 0;
+};
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,138 @@
+#include "tessera/train/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+namespace tessera {
+namespace train {
+namespace {
+
+using Json = nlohmann::json;
+
+const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
+  static const std::vector<std::pair<at::ScalarType, const char*>> names = {
+      {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"}, {at::kLong, "I64"},
+      {at::kInt, "I32"},   {at::kShort, "I16"},  {at::kChar, "I8"},       {at::kByte, "U8"},  {at::kBool, "BOOL"}};
+  return names;
+}
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& [type, name] : dtype_names())
+    if (type == t) return name;
+  TORCH_CHECK(false, "safetensors: cannot store dtype ", t);
+}
+
+at::ScalarType dtype_of(const std::string& name, const std::string& path) {
+  for (const auto& [type, n] : dtype_names())
+    if (name == n) return type;
+  TORCH_CHECK(false, "safetensors: ", path, " has a tensor of dtype '", name, "', which tessera does not read");
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> data;
+  int64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' given twice");
+    at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    const int64_t bytes = c.numel() * static_cast<int64_t>(c.element_size());
+    header[name] = {
+        {"dtype", dtype_name(c.scalar_type())}, {"shape", c.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    data.push_back(std::move(c));
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out.good(), "safetensors: cannot write ", tmp);
+    uint64_t n = text.size();
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(n >> (8 * i));
+    out.write(reinterpret_cast<const char*>(le), 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& c : data)
+      out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * c.element_size()));
+    out.flush();
+    TORCH_CHECK(out.good(), "safetensors: writing ", tmp, " failed (disk full?)");
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "safetensors: cannot rename ", tmp, " to ", path);
+}
+
+SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
+  std::ifstream in(path_, std::ios::binary);
+  TORCH_CHECK(in.good(), "safetensors: cannot open ", path_);
+  unsigned char le[8];
+  in.read(reinterpret_cast<char*>(le), 8);
+  TORCH_CHECK(in.gcount() == 8, "safetensors: ", path_, " is shorter than its 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(le[i]) << (8 * i);
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<uint64_t>(in.tellg());
+  TORCH_CHECK(n <= size - 8, "safetensors: ", path_, " declares a ", n, "-byte header but has ", size, " bytes");
+  std::string text(n, '\0');
+  in.seekg(8);
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "safetensors: ", path_, " has a header that is not JSON: ", e.what());
+  }
+  data_start_ = static_cast<int64_t>(8 + n);
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      for (auto m = it.value().begin(); m != it.value().end(); ++m) metadata_[m.key()] = m.value().get<std::string>();
+      continue;
+    }
+    Entry e;
+    e.dtype = dtype_of(it.value().at("dtype").get<std::string>(), path_);
+    e.shape = it.value().at("shape").get<std::vector<int64_t>>();
+    const auto offsets = it.value().at("data_offsets").get<std::vector<int64_t>>();
+    TORCH_CHECK(
+        offsets.size() == 2 && offsets[0] <= offsets[1] && static_cast<uint64_t>(data_start_ + offsets[1]) <= size,
+        "safetensors: ", path_, ": tensor '", it.key(), "' lies outside the file (truncated?)");
+    e.begin = offsets[0];
+    e.end = offsets[1];
+    int64_t numel = 1;
+    for (int64_t d : e.shape) numel *= d;
+    TORCH_CHECK(numel * static_cast<int64_t>(c10::elementSize(e.dtype)) == e.end - e.begin, "safetensors: ", path_,
+                ": tensor '", it.key(), "' has ", e.end - e.begin, " bytes for its shape");
+    entries_[it.key()] = e;
+  }
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e.first);
+  return out;
+}
+
+const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  TORCH_CHECK(it != entries_.end(), "safetensors: ", path_, " has no tensor '", name, "'");
+  return it->second;
+}
+
+std::vector<int64_t> SafetensorsFile::shape(const std::string& name) const { return entry(name).shape; }
+
+at::Tensor SafetensorsFile::read(const std::string& name) const {
+  const Entry& e = entry(name);
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  std::ifstream in(path_, std::ios::binary);
+  in.seekg(data_start_ + e.begin);
+  in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin);
+  TORCH_CHECK(in.gcount() == e.end - e.begin, "safetensors: ", path_, ": short read of '", name, "'");
+  return t;
+}
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,276 @@
+#include "tessera/train/trainer.h"
+
+#include "tessera/models/gpt.h"
+#include "tessera/nn/parallel_dropout.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <mutex>
+#include <set>
+
+namespace tessera {
+namespace train {
+namespace {
+
+using Json = nlohmann::json;
+
+// True when some parameter belongs to two children of the Sequential (tied
+// weights): those cannot be gathered one child at a time.
+bool shares_parameters(const torch::nn::Sequential& layers) {
+  std::map<const c10::TensorImpl*, size_t> owner;
+  size_t i = 0;
+  for (const auto& child : layers->children()) {
+    for (const auto& p : child->parameters()) {
+      auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), i);
+      if (!fresh && it->second != i) return true;
+    }
+    ++i;
+  }
+  return false;
+}
+
+// The dropout layers of a module, each once, in a fixed order: their random
+// streams are part of a checkpoint (Note [Dropout seeds]).
+std::vector<nn::ParallelDropoutImpl*> dropouts(torch::nn::Module& module) {
+  std::vector<nn::ParallelDropoutImpl*> out;
+  std::set<const void*> seen;
+  for (const auto& m : module.modules())
+    if (auto* d = dynamic_cast<nn::ParallelDropoutImpl*>(m.get()); d != nullptr && seen.insert(d).second)
+      out.push_back(d);
+  return out;
+}
+
+std::string rng_prefix(int rank) { return "rng/" + std::to_string(rank) + "/"; }
+
+at::Tensor rows(const at::Tensor& t, int64_t begin, int64_t count) {
+  return t.defined() && t.dim() > 0 ? t.narrow(0, begin, count) : t;
+}
+
+}  // namespace
+
+TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt) {
+  TORCH_CHECK(gpt != nullptr, "gpt_train_model: the model must not be null");
+  TrainModel m;
+  m.layers = gpt->as_sequential();
+  models::GPTImpl* raw = gpt.get();
+  m.loss = [raw](const at::Tensor& logits, const at::Tensor& targets) { return raw->loss(logits, targets); };
+  m.placements = gpt->placements();
+  m.partial_gradients = gpt->partial_gradients();
+  m.tensor_sharded = gpt->factory()->sharded_parameters(*gpt);
+  m.tensor_group = gpt->factory()->tensor_group();
+  m.owner = gpt;
+  return m;
+}
+
+Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const OptimizerFactory& make_optimizer,
+                 TrainerOptions options)
+    : ctx_(std::move(ctx)), model_(std::move(model)), options_(std::move(options)) {
+  TORCH_CHECK(ctx_ != nullptr && model_.layers && model_.loss,
+              "Trainer: the context, the layers and the loss must be given");
+  TORCH_CHECK(options_.accumulation() >= 1, "Trainer: accumulation must be >= 1, got ", options_.accumulation());
+  TORCH_CHECK(options_.clip_grad_norm() >= 0, "Trainer: clip_grad_norm must be >= 0 (0: off), got ",
+              options_.clip_grad_norm());
+  options_.lr().validate();
+  const int pp = ctx_->has(context::ParallelMode::kPipeline) ? ctx_->size(context::ParallelMode::kPipeline) : 1;
+  TORCH_CHECK(pp == 1 || options_.accumulation() == 1,
+              "Trainer: with pipeline stages, accumulate through "
+              "pipeline micro-batches (PipelineOptions::microbatches), not accumulation (got ",
+              options_.accumulation(), ")");
+  if (pp > 1) {
+    pipe_ = std::make_unique<parallel::PipelineExecutor>(model_.layers, ctx_, model_.loss, options_.pipeline());
+    local_ = std::make_shared<torch::nn::Module>("Stages");
+    for (const auto& [name, layer] : pipe_->local_layers()) local_->register_module(name, layer);
+  } else {
+    local_ = model_.layers.ptr();
+  }
+  auto module_options = parallel::ShardedModuleOptions()
+                            .spec(options_.spec())
+                            .bucket_bytes(options_.bucket_bytes())
+                            .partial_gradients(model_.partial_gradients)
+                            .offload_params(false);
+  sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options);
+  TORCH_CHECK(pp == 1 || sharded_->degrees().params == 1, "Trainer: sharded parameters (ZeRO-3, spec ",
+              options_.spec().to_string(),
+              ") are not supported with pipeline stages; shard gradients and "
+              "optimizer states only (zero2, {R,P(k),S})");
+  if (pp > 1) sharded_->set_gradient_sync(false);  // reduced once after the schedule
+
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : local_->named_parameters(true))
+    if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second)
+      named.emplace_back(p.key(), p.value());
+  auto inner = make_optimizer(named);
+  TORCH_CHECK(inner != nullptr, "Trainer: the optimizer factory returned null");
+  auto opt_options = parallel::ShardedOptimizerOptions().offload(options_.offload());
+  if (model_.tensor_group && model_.tensor_group->size() > 1)
+    opt_options.whole_norms(
+        std::make_shared<parallel::TensorParallelNorms>(model_.tensor_sharded, model_.tensor_group));
+  optimizer_ = std::make_unique<parallel::ShardedOptimizer>(sharded_, inner, opt_options);
+  if (options_.loss_scaling()) scaler_.emplace(ctx_->world(), options_.scaler());
+  placements_ = model_.placements.empty() ? named_placements(*model_.layers) : model_.placements;
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& targets) {
+  const double scale = scaler_ ? scaler_->current_scale() : 1.0;
+  if (pipe_) {
+    TORCH_CHECK(!scaler_, "Trainer: loss scaling with pipeline stages is not supported yet");
+    const double loss = pipe_->run(inputs, targets);
+    sharded_->reduce_gradients();
+    return loss;
+  }
+  const int64_t n = inputs.size(0), m = options_.accumulation();
+  TORCH_CHECK(n % m == 0, "Trainer: this rank's ", n, " rows do not split into ", m,
+              " accumulation micro-batches; make the local batch a multiple of accumulation");
+  const bool by_unit = !shares_parameters(model_.layers);
+  double total = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    sharded_->set_gradient_sync(i == m - 1);
+    const at::Tensor x = rows(inputs, i * (n / m), n / m), y = rows(targets, i * (n / m), n / m);
+    at::Tensor out = by_unit ? sharded_->forward(x) : sharded_->run([&] { return model_.layers->forward(x); });
+    at::Tensor loss = model_.loss(out, y) / static_cast<double>(m);
+    total += loss.item<double>();
+    (scale != 1.0 ? loss * scale : loss).backward();
+  }
+  return total;
+}
+
+StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& targets) {
+  const auto start = std::chrono::steady_clock::now();
+  StepStats stats;
+  stats.lr = options_.lr().at(step_);
+  for (auto& group : optimizer_->inner().param_groups()) group.options().set_lr(stats.lr);
+  optimizer_->zero_grad();
+  const double local_loss = forward_backward(inputs, targets);
+
+  std::vector<comm::CommunicatorPtr> across;
+  std::vector<at::Tensor> uncounted;
+  if (pipe_) {
+    across.push_back(pipe_->group());
+    uncounted = pipe_->tied_copies();
+  }
+  bool finite = true;
+  if (scaler_) finite = scaler_->unscale(optimizer_->pieces_for_step());
+  if (finite && options_.clip_grad_norm() > 0)
+    stats.grad_norm = optimizer_->clip_grad_norm(options_.clip_grad_norm(), across, uncounted);
+  if (finite) {
+    optimizer_->step();
+  } else {
+    optimizer_->skip_step();
+  }
+  if (scaler_) scaler_->update(!finite);
+  stats.skipped = !finite;
+  ++step_;
+
+  // The loss of the global batch: pipeline ranks agree already; mean over data.
+  at::Tensor loss = at::tensor({local_loss}, at::kDouble);
+  auto data = ctx_->comm(context::ParallelMode::kData);
+  if (data->size() > 1) {
+    data->all_reduce(loss);
+    loss /= data->size();
+  }
+  stats.loss = loss.item<double>();
+  stats.step = step_;
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return stats;
+}
+
+double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  double local = 0;
+  if (pipe_) {
+    // The executor has no forward-only schedule: run it, then drop the gradients.
+    optimizer_->zero_grad();
+    local = pipe_->run(inputs, targets);
+    optimizer_->zero_grad();
+  } else {
+    at::NoGradGuard no_grad;
+    at::Tensor out = sharded_->run([&] { return model_.layers->forward(inputs); });
+    local = model_.loss(out, targets).item<double>();
+  }
+  at::Tensor loss = at::tensor({local}, at::kDouble);
+  auto data = ctx_->comm(context::ParallelMode::kData);
+  if (data->size() > 1) {
+    data->all_reduce(loss);
+    loss /= data->size();
+  }
+  return loss.item<double>();
+}
+
+void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
+  std::vector<TensorPiece> pieces = optimizer_pieces(*optimizer_, placements_);
+  // This rank's CPU generator, for dropout and anything else the user draws.
+  // This rank's random streams: its default CPU generator and its dropout layers'.
+  auto add_stream = [&](const std::string& name, at::Generator gen) {
+    TensorPiece rng;
+    rng.name = rng_prefix(ctx_->global_rank()) + name;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng.data = gen.get_state();
+    }
+    rng.full_shape = rng.data.sizes().vec();
+    pieces.push_back(std::move(rng));
+  };
+  add_stream("cpu", at::detail::getDefaultCPUGenerator());
+  const auto drops = dropouts(*local_);
+  for (size_t i = 0; i < drops.size(); ++i)
+    for (const auto& [device, gen] : drops[i]->rng_state())
+      if (gen.device().is_cpu()) add_stream("dropout/" + std::to_string(i) + "/" + device, gen);
+  Json meta;
+  meta["step"] = step_;
+  meta["world_size"] = ctx_->world()->size();
+  meta["parallel"] = context::to_string(ctx_->config());
+  meta["spec"] = options_.spec().to_string();
+  if (scaler_) {
+    const auto s = scaler_->state();
+    meta["loss_scaler"] = {{"scale", s.scale},
+                           {"clean_steps", s.clean_steps},
+                           {"hysteresis_left", s.hysteresis_left},
+                           {"skipped", s.skipped}};
+  }
+  meta["extra"] = Json::parse(extra_json.empty() ? "{}" : extra_json);
+  save_checkpoint(dir, pieces, meta.dump(), ctx_->world(), options);
+}
+
+std::string Trainer::load(const std::string& dir) {
+  // Every rank opens it, so an error (a missing or partial checkpoint) is raised on every rank.
+  CheckpointReader reader(dir);
+  const Json meta = Json::parse(reader.metadata());
+  load_optimizer_pieces(reader, *optimizer_, placements_);
+  step_ = meta.at("step").get<int64_t>();
+  if (scaler_ && meta.contains("loss_scaler")) {
+    const auto& s = meta["loss_scaler"];
+    scaler_->load_state({s["scale"].get<double>(), s["clean_steps"].get<int64_t>(), s["hysteresis_left"].get<int64_t>(),
+                         s["skipped"].get<int64_t>()});
+  }
+  // Random streams belong to a rank's place in the same configuration.
+  const std::string prefix = rng_prefix(ctx_->global_rank());
+  if (reader.world_size() == ctx_->world()->size() &&
+      meta.value("parallel", "") == context::to_string(ctx_->config()) && reader.contains(prefix + "cpu")) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(reader.full(prefix + "cpu"));
+    }
+    const auto drops = dropouts(*local_);
+    for (size_t i = 0; i < drops.size(); ++i) {
+      nn::ParallelDropoutImpl::RngState streams;
+      const std::string mine = prefix + "dropout/" + std::to_string(i) + "/";
+      for (const auto& name : reader.names(mine)) {
+        at::Generator g = at::make_generator<at::CPUGeneratorImpl>();
+        g.set_state(reader.full(name));
+        streams.emplace(name.substr(mine.size()), g);
+      }
+      drops[i]->set_rng_state(streams);
+    }
+  }
+  return meta.contains("extra") ? meta["extra"].dump() : "{}";
+}
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,304 @@
+// The trainer and its checkpoints on tessera's GPT. Trainer: 3 steps of
+// SGD-momentum with warm-up and clipping equal to the serial GPT (1e-5) in
+// every configuration the world allows. Checkpoints: resuming reproduces the
+// losses bit for bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at
+// dp4 x tp2, tp4 x dp2 and in one process with the same loss, and one more
+// step from the loaded optimizer state gives the same loss too; the
+// consolidated file equals the full weights; bad input is refused.
+#include "test_util.h"
+
+#include "tessera/context/parallel_context.h"
+#include "tessera/models/gpt.h"
+#include "tessera/nn/layer_factory.h"
+#include "tessera/train/checkpoint.h"
+#include "tessera/train/safetensors.h"
+#include "tessera/train/trainer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace tessera {
+namespace {
+
+constexpr int64_t kSeq = 8;
+constexpr double kTolerance = 1e-5;
+using context::ParallelConfig;
+using context::ParallelMode;
+
+models::GPTConfig config(double dropout = 0.0) {
+  auto c = models::GPTConfig::preset("tiny");
+  c.layers = 4;
+  c.dropout = dropout;
+  return c;
+}
+
+at::Tensor ids(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randint(config().vocab, {rows, kSeq}, gen, at::kLong);
+}
+
+struct Layout {
+  std::string name;
+  ParallelConfig parallel;
+  std::string spec;
+  int microbatches = 1;
+};
+
+// The configurations a world of n ranks can run.
+std::vector<Layout> layouts(int n) {
+  switch (n) {
+    case 1:
+      return {{"serial", ParallelConfig(), "ddp"}};
+    case 2:
+      return {{"dp2_zero3", ParallelConfig().data(2), "zero3"},
+              {"pp2", ParallelConfig().pipeline(2), "ddp", 2},
+              {"tp2", ParallelConfig().tensor(2), "ddp"}};
+    case 4:
+      return {{"dp2_tp2_zero2", ParallelConfig().data(2).tensor(2), "zero2"},
+              {"pp2_tp2", ParallelConfig().pipeline(2).tensor(2), "ddp", 3}};
+    case 8:
+      return {{"dp2_pp2_tp2", ParallelConfig().data(2).pipeline(2).tensor(2), "{R,P(2),S}", 2}};
+    default:
+      return {};
+  }
+}
+
+struct Model {
+  std::shared_ptr<models::GPTImpl> gpt;
+  std::unique_ptr<train::Trainer> trainer;
+};
+
+train::LrSchedule schedule(double peak) {
+  return train::LrSchedule().peak(peak).warmup_steps(2).total_steps(30).decay(train::LrDecay::kCosine);
+}
+
+Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t seed, double dropout, bool adamw) {
+  torch::manual_seed(seed);
+  auto tp = ctx->comm(ParallelMode::kTensor);
+  Model r;
+  r.gpt = std::make_shared<models::GPTImpl>(
+      config(dropout),
+      nn::make_1d_factory(tp, false, ctx->seed(ParallelMode::kData), ctx->seed(ParallelMode::kTensor)));
+  auto make = [adamw](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : named) params.push_back(p.second);
+    if (adamw) return std::shared_ptr<torch::optim::Optimizer>(std::make_shared<torch::optim::AdamW>(params));
+    return std::shared_ptr<torch::optim::Optimizer>(
+        std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9)));
+  };
+  r.trainer = std::make_unique<train::Trainer>(ctx, train::gpt_train_model(r.gpt), make,
+                                               train::TrainerOptions()
+                                                   .spec(parallel::ShardingSpec::parse(s.spec))
+                                                   .pipeline(parallel::PipelineOptions().microbatches(s.microbatches))
+                                                   .clip_grad_norm(0.5)
+                                                   .lr(schedule(adamw ? 1e-3 : 0.1))
+                                                   .bucket_bytes(4096));
+  return r;
+}
+
+// This data rank's rows of the global batch of `step`.
+std::pair<at::Tensor, at::Tensor> batch(const context::ParallelContextPtr& ctx, int64_t rows, int step) {
+  auto data = ctx->comm(ParallelMode::kData);
+  const int64_t local = rows / data->size();
+  return {ids(rows, 100 + step).narrow(0, data->rank() * local, local),
+          ids(rows, 200 + step).narrow(0, data->rank() * local, local)};
+}
+
+// A directory name that every rank of this test agrees on.
+std::string shared_dir(const std::string& what) {
+  const std::string dir = "train_test_" + what + "_np" + std::to_string(test::world()->size());
+  if (test::world()->rank() == 0) std::filesystem::create_directories(dir);
+  test::world()->barrier();
+  return dir;
+}
+
+TEST(Trainer, ThreeStepsEqualSerial) {
+  auto world = test::world();
+  const int64_t rows = 12;
+  // The serial reference: SGD-momentum, clip_grad_norm_ 0.5, the same schedule.
+  std::vector<double> expected;
+  {
+    torch::manual_seed(7);
+    auto self = world->split(world->rank(), 0, "self");
+    models::GPT gpt(config(), nn::make_1d_factory(self, false, 1, 2));
+    torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      for (auto& g : opt.param_groups()) g.options().set_lr(schedule(0.1).at(step));
+      opt.zero_grad();
+      at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 100 + step)), ids(rows, 200 + step));
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(gpt->parameters(), 0.5);
+      opt.step();
+      expected.push_back(loss.item<double>());
+    }
+  }
+  for (const Layout& s : layouts(world->size())) {
+    SCOPED_TRACE(s.name);
+    auto ctx = context::ParallelContext::create(world, s.parallel);
+    Model r = make_run(ctx, s, 7, 0.0, false);
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = batch(ctx, rows, step);
+      const train::StepStats st = r.trainer->train_step(x, y);
+      EXPECT_NEAR(st.loss, expected[step], kTolerance * expected[step]) << "step " << step;
+      EXPECT_GT(st.grad_norm, 0.5) << "the test must clip";
+      EXPECT_DOUBLE_EQ(st.lr, schedule(0.1).at(step));
+    }
+  }
+}
+
+TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
+  auto world = test::world();
+  const int64_t rows = 12;
+  for (const Layout& s : layouts(world->size())) {
+    SCOPED_TRACE(s.name);
+    const std::string dir = shared_dir("resume_" + s.name) + "/step-10";
+    auto ctx = context::ParallelContext::create(world, s.parallel);
+    std::vector<double> after;
+    {
+      Model a = make_run(ctx, s, 7, 0.1, true);
+      for (int step = 0; step < 10; ++step) {
+        auto [x, y] = batch(ctx, rows, step);
+        a.trainer->train_step(x, y);
+      }
+      a.trainer->save(dir, R"({"next_step": 10})");
+      for (int step = 10; step < 20; ++step) {
+        auto [x, y] = batch(ctx, rows, step);
+        after.push_back(a.trainer->train_step(x, y).loss);
+      }
+    }
+    torch::manual_seed(99);  // the loaded RNG state must take over
+    Model b = make_run(ctx, s, 1234, 0.1, true);
+    const std::string extra = b.trainer->load(dir);
+    EXPECT_EQ(extra, R"({"next_step":10})");
+    EXPECT_EQ(b.trainer->step(), 10);
+    for (int step = 10; step < 20; ++step) {
+      auto [x, y] = batch(ctx, rows, step);
+      EXPECT_EQ(b.trainer->train_step(x, y).loss, after[step - 10]) << "step " << step;
+    }
+  }
+}
+
+// Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2 and in one process.
+TEST(Checkpoint, ReshardsAcrossConfigurations) {
+  auto world = test::world();
+  if (world->size() != 8) GTEST_SKIP() << "needs 8 ranks";
+  const int64_t rows = 8;
+  const std::string dir = shared_dir("reshard") + "/ckpt";
+  auto [x0, y0] = std::make_pair(ids(rows, 500), ids(rows, 600));  // the global evaluation batch
+  auto [x1, y1] = std::make_pair(ids(rows, 501), ids(rows, 601));  // one more training batch
+  auto local = [](const context::ParallelContextPtr& ctx, const at::Tensor& t) {
+    auto data = ctx->comm(ParallelMode::kData);
+    const int64_t n = t.size(0) / data->size();
+    return t.narrow(0, data->rank() * n, n);
+  };
+  double loss_saved = 0, loss_stepped = 0;
+  {
+    const Layout s = layouts(8)[0];
+    auto ctx = context::ParallelContext::create(world, s.parallel);
+    Model a = make_run(ctx, s, 7, 0.0, true);
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = batch(ctx, rows, step);
+      a.trainer->train_step(x, y);
+    }
+    a.trainer->save(dir);
+    loss_saved = a.trainer->evaluate(local(ctx, x0), local(ctx, y0));
+    a.trainer->train_step(local(ctx, x1), local(ctx, y1));
+    loss_stepped = a.trainer->evaluate(local(ctx, x0), local(ctx, y0));
+  }
+  const std::vector<Layout> targets = {{"dp4_tp2", ParallelConfig().data(4).tensor(2), "zero2"},
+                                       {"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero3"}};
+  for (const Layout& s : targets) {
+    SCOPED_TRACE(s.name);
+    auto ctx = context::ParallelContext::create(world, s.parallel);
+    Model b = make_run(ctx, s, 1234, 0.0, true);
+    b.trainer->load(dir);
+    EXPECT_NEAR(b.trainer->evaluate(local(ctx, x0), local(ctx, y0)), loss_saved, kTolerance * loss_saved);
+    b.trainer->train_step(local(ctx, x1), local(ctx, y1));
+    EXPECT_NEAR(b.trainer->evaluate(local(ctx, x0), local(ctx, y0)), loss_stepped, kTolerance * loss_stepped);
+  }
+  // One process (each rank alone), and the consolidated file against its full weights.
+  auto self = world->split(world->rank(), 0, "self");
+  auto ctx = context::ParallelContext::create(self, ParallelConfig());
+  Model c = make_run(ctx, {"single", ParallelConfig(), "ddp"}, 1234, 0.0, true);
+  c.trainer->load(dir);
+  EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_saved, kTolerance * loss_saved);
+  const std::string file = shared_dir("consolidated") + "/model.safetensors";
+  if (world->rank() == 0) {
+    train::consolidate_checkpoint(dir, file);
+    train::SafetensorsFile f(file);
+    const auto full = c.gpt->full_state();
+    EXPECT_EQ(f.names().size(), full.size());
+    std::ofstream sums(file + ".sums.json");
+    sums << "{";
+    bool first = true;
+    for (const auto& [name, value] : full) {
+      ASSERT_TRUE(f.contains(name)) << name;
+      EXPECT_TRUE(f.read(name).equal(value)) << name;
+      sums << (first ? "" : ", ") << "\"" << name << "\": " << std::setprecision(17) << value.sum().item<double>();
+      first = false;
+    }
+    sums << "}\n";
+  }
+  world->barrier();
+  c.trainer->train_step(x1, y1);
+  EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_stepped, kTolerance * loss_stepped);
+}
+
+TEST(Checkpoint, BadInputIsRefused) {
+  auto world = test::world();
+  const Layout s = layouts(world->size())[0];
+  auto ctx = context::ParallelContext::create(world, s.parallel);
+  Model a = make_run(ctx, s, 7, 0.0, false);
+  EXPECT_TRUE(test::throws_with([&] { a.trainer->load("no_such_checkpoint"); }, "does not exist"));
+  const std::string dir = shared_dir("bad") + "/small";
+  a.trainer->save(dir);
+  // Another model: a wider GPT finds every tensor with another shape.
+  torch::manual_seed(7);
+  auto wide_config = config();
+  wide_config.hidden *= 2;
+  auto gpt = std::make_shared<models::GPTImpl>(wide_config,
+                                               nn::make_1d_factory(ctx->comm(ParallelMode::kTensor), false, 1, 2));
+  train::Trainer wide(
+      ctx, train::gpt_train_model(gpt),
+      [](const std::vector<std::pair<std::string, at::Tensor>>& n) {
+        std::vector<at::Tensor> p;
+        for (const auto& e : n) p.push_back(e.second);
+        return std::make_shared<torch::optim::AdamW>(p);
+      },
+      train::TrainerOptions()
+          .spec(parallel::ShardingSpec::parse(s.spec))
+          .pipeline(parallel::PipelineOptions().microbatches(s.microbatches)));
+  EXPECT_TRUE(test::throws_with([&] { wide.load(dir); }, "has shape"));
+  // A save that did not finish.
+  if (world->rank() == 0) std::filesystem::create_directories(dir + "-2.partial");
+  world->barrier();
+  EXPECT_TRUE(test::throws_with([&] { a.trainer->load(dir + "-2"); }, "did not finish"));
+  EXPECT_TRUE(test::throws_with([&] { a.trainer->load(dir + "-2.partial"); }, "did not finish"));
+  // Options.
+  EXPECT_TRUE(test::throws_with([] { train::LrSchedule().peak(-1).validate(); }, "peak must be >= 0"));
+  EXPECT_TRUE(test::throws_with(
+      [] { train::LrSchedule().decay(train::LrDecay::kCosine).warmup_steps(5).total_steps(3).validate(); },
+      "must exceed warmup_steps"));
+}
+
+TEST(Safetensors, RoundTripsEveryDtype) {
+  const std::string path = shared_dir("safetensors") + "/all.safetensors";
+  if (test::world()->rank() != 0) return;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto t : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong, at::kInt, at::kByte, at::kBool})
+    tensors.emplace_back(std::string("t_") + c10::toString(t), test::seeded_randn({3, 5}, 1).mul(10).to(t));
+  tensors.emplace_back("scalar", at::tensor(3.5));
+  tensors.emplace_back("empty", at::zeros({0, 4}));
+  train::write_safetensors(path, tensors, {{"k", "v"}});
+  train::SafetensorsFile f(path);
+  EXPECT_EQ(f.metadata().at("k"), "v");
+  for (const auto& [name, t] : tensors) EXPECT_TRUE(f.read(name).equal(t)) << name;
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 4);
+  EXPECT_TRUE(test::throws_with([&] { train::SafetensorsFile g(path); }, "outside the file"));
+}
+
+}  // namespace
+}  // namespace tessera
