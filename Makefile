@@ -2,7 +2,8 @@
 # fresh Debian 12 machine (packages, configure, build) and run.
 #
 #   make test          build against Debian's LibTorch 1.13 and run the suite
-#   make demo          run the example on 8 local ranks (dp2 x pp2 x tp2)
+#   make demo          train_gpt on 8 local ranks (dp2 x pp2 x tp2, ZeRO-2, 1F1B) on
+#                      Debian's fortunes, then plot its metrics (build/demo/)
 #   make test-latest   the same suite against the newest LibTorch from PyPI
 #   make bench         the collective benchmark at 4 ranks, JSON lines
 
@@ -37,8 +38,16 @@ build: configure
 test: build
 	ctest --test-dir $(BUILD) $(CTEST_ARGS)
 
+DEMO_DIR      = $(BUILD)/demo
+DEMO_ARGS    ?= --dp 2 --pp 2 --tp 2 --spec zero2 --schedule 1f1b --steps 1000 --lr 2e-3 --warmup 50 \
+                --log-every 50 --eval-every 100
+
 demo: build
-	$(MPIRUN_ENV) mpirun -np 8 $(BUILD)/examples/tessera_demo --dp 2 --pp 2 --tp 2
+	scripts/install-deps.sh fortunes python3-matplotlib
+	mkdir -p $(DEMO_DIR)
+	$(MPIRUN_ENV) mpirun -np 8 $(BUILD)/examples/train_gpt $(DEMO_ARGS) --metrics $(DEMO_DIR)/metrics.jsonl \
+	  --save $(DEMO_DIR)/checkpoints --consolidate $(DEMO_DIR)/model.safetensors
+	/usr/bin/python3 scripts/plot_metrics.py $(DEMO_DIR)/metrics.jsonl $(DEMO_DIR)/metrics.png
 
 bench: build
 	$(MPIRUN_ENV) mpirun -np 4 $(BUILD)/bench/comm_bench --json

@@ -8,6 +8,8 @@
 //          --verbose (every rank's coordinates, groups and seeds)
 #include <tessera/tessera.h>
 
+#include "example_main.h"
+
 #include <ATen/ATen.h>
 
 #include <fmt/format.h>
@@ -156,17 +158,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  tessera::comm::MpiRuntime mpi(&argc, &argv);
-  tessera::limit_threads(1);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  try {
-    return run(argc, argv);
-  } catch (const c10::Error& e) {
-    // Every rank fails the same way (configs are checked before any
-    // communication); one message is enough.
-    if (rank == 0) fmt::print(stderr, "tessera_demo: error: {}\n", e.what_without_backtrace());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "tessera_demo", run); }

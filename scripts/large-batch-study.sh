@@ -19,14 +19,14 @@ for f in /usr/share/datasets/fashion-mnist/*-ubyte.gz; do
   [ -s "$out" ] || gunzip -c "$f" > "$out"
 done
 [ -f "$build/CMakeCache.txt" ] || cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
-cmake --build "$build" -j "${JOBS:-2}" --target large_batch_fmnist
+cmake --build "$build" -j "${JOBS:-2}" --target train_fashion_mnist
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_mpi_yield_when_idle=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 epochs=${EPOCHS:-20}
 out=docs/results/large_batch.jsonl
 : > "$out"
-run() { mpirun -np 2 "$build/examples/large_batch_fmnist" --data "$data" --epochs "$epochs" "$@" >> "$out"; }
+run() { mpirun -np 2 "$build/examples/train_fashion_mnist" --data "$data" --epochs "$epochs" "$@" >> "$out"; }
 
 start=$SECONDS
 for lr in 0.00025 0.0005 0.001 0.002 0.004; do run --optimizer adamw --batch 128 --lr $lr --weight-decay 0.01; done

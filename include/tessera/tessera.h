@@ -32,6 +32,12 @@
 #include "tessera/parallel/sharded_optimizer.h"
 #include "tessera/parallel/sharding_spec.h"
 #include "tessera/parallel/whole_norms.h"
+#include "tessera/train/checkpoint.h"
+#include "tessera/train/lr_schedule.h"
+#include "tessera/train/metrics.h"
+#include "tessera/train/safetensors.h"
+#include "tessera/train/state_pieces.h"
+#include "tessera/train/trainer.h"
 #ifdef TESSERA_HAVE_NCCL
 #include "tessera/comm/nccl_communicator.h"
 #endif

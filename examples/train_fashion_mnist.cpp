@@ -1,0 +1,170 @@
+// train_fashion_mnist: large-batch training on Fashion-MNIST through
+// train::Trainer: an MLP, data-parallel over the ranks with any sharding
+// spec, AdamW, LAMB or LARS, learning rate warmed up linearly and then
+// decayed (cosine for AdamW and LAMB, polynomial of power 2 for LARS, as the
+// papers do). Prints one JSON object per epoch (train loss, test accuracy);
+// scripts/large-batch-study.sh runs the study of docs/large-batch.md with it.
+//
+//   mpirun -np 2 train_fashion_mnist --data DIR --optimizer lamb --batch 8192 --lr 0.02
+//       [--epochs 15] [--warmup-epochs 2] [--weight-decay 0.01] [--seed 1] [--spec zero2]
+// DIR holds the uncompressed idx files (train-images-idx3-ubyte, ...);
+// scripts/large-batch-study.sh prepares them from Debian's dataset-fashion-mnist.
+#include <tessera/tessera.h>
+
+#include "example_main.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct Args {
+  std::string data, optimizer = "adamw", spec = "zero2";
+  int64_t batch = 128, epochs = 15, seed = 1;
+  double lr = 1e-3, warmup_epochs = 0, weight_decay = 0.01;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string f = argv[i];
+    TORCH_CHECK(i + 1 < argc, "flag ", f,
+                " needs a value; see the comment at the top of examples/train_fashion_mnist.cpp");
+    const std::string v = argv[i + 1];
+    try {
+      if (f == "--data")
+        a.data = v;
+      else if (f == "--optimizer")
+        a.optimizer = v;
+      else if (f == "--spec")
+        a.spec = v;
+      else if (f == "--batch")
+        a.batch = std::stoll(v);
+      else if (f == "--epochs")
+        a.epochs = std::stoll(v);
+      else if (f == "--seed")
+        a.seed = std::stoll(v);
+      else if (f == "--lr")
+        a.lr = std::stod(v);
+      else if (f == "--warmup-epochs")
+        a.warmup_epochs = std::stod(v);
+      else if (f == "--weight-decay")
+        a.weight_decay = std::stod(v);
+      else
+        TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of examples/train_fashion_mnist.cpp");
+    } catch (const std::logic_error&) {
+      TORCH_CHECK(false, "flag ", f, " takes a number, got '", v, "'");
+    }
+  }
+  TORCH_CHECK(!a.data.empty(), "--data DIR is required (the uncompressed Fashion-MNIST idx files)");
+  TORCH_CHECK(std::ifstream(a.data + "/train-images-idx3-ubyte").good(), "no file ", a.data,
+              "/train-images-idx3-ubyte; run scripts/large-batch-study.sh, which prepares it");
+  TORCH_CHECK(a.optimizer == "adamw" || a.optimizer == "lamb" || a.optimizer == "lars",
+              "--optimizer must be adamw, lamb or lars, got '", a.optimizer, "'");
+  TORCH_CHECK(a.batch >= 1 && a.epochs >= 1, "--batch and --epochs must be >= 1");
+  return a;
+}
+
+// 784-256-256-10 with ReLU, as a Sequential so that the trainer can unit it.
+// Layers are made one statement each: the order of their random
+// initialisation must not depend on the compiler's argument order.
+torch::nn::Sequential make_net() {
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Flatten());
+  net->push_back(torch::nn::Linear(784, 256));
+  net->push_back(torch::nn::ReLU());
+  net->push_back(torch::nn::Linear(256, 256));
+  net->push_back(torch::nn::ReLU());
+  net->push_back(torch::nn::Linear(256, 10));
+  return net;
+}
+
+int train(int argc, char** argv) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  {
+    const Args a = parse(argc, argv);
+    auto world = tessera::comm::make_world_communicator();
+    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
+    const int dp = world->size();
+    TORCH_CHECK(a.batch % dp == 0, "--batch ", a.batch, " must be divisible by the number of ranks ", dp);
+
+    auto load = [&](bool train) {
+      torch::data::datasets::MNIST ds(
+          a.data, train ? torch::data::datasets::MNIST::Mode::kTrain : torch::data::datasets::MNIST::Mode::kTest);
+      return std::make_pair((ds.images() - 0.2860) / 0.3530, ds.targets());
+    };
+    const auto [train_x, train_y] = load(true);
+    const auto [test_x, test_y] = load(false);
+    const int64_t n = train_x.size(0), steps_per_epoch = n / a.batch, total = steps_per_epoch * a.epochs;
+    const int64_t warmup = static_cast<int64_t>(std::llround(a.warmup_epochs * steps_per_epoch));
+
+    torch::manual_seed(a.seed);
+    namespace tt = tessera::train;
+    tt::TrainModel model;
+    model.layers = make_net();
+    model.loss = [](const at::Tensor& out, const at::Tensor& y) {
+      return torch::nn::functional::cross_entropy(out, y);
+    };
+    const std::string opt = a.optimizer;
+    auto make_optimizer = [&](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+      std::shared_ptr<torch::optim::Optimizer> o;
+      if (opt == "lamb") {
+        o = std::make_shared<tessera::optim::Lamb>(
+            tessera::optim::param_groups(named, tessera::optim::LambOptions(a.lr).weight_decay(a.weight_decay)));
+      } else if (opt == "lars") {
+        o = std::make_shared<tessera::optim::Lars>(tessera::optim::param_groups(
+            named, tessera::optim::LarsOptions(a.lr).weight_decay(a.weight_decay).momentum(0.9)));
+      } else {
+        std::vector<at::Tensor> params;
+        for (const auto& p : named) params.push_back(p.second);
+        o = std::make_shared<torch::optim::AdamW>(params,
+                                                  torch::optim::AdamWOptions(a.lr).weight_decay(a.weight_decay));
+      }
+      return o;
+    };
+    tt::Trainer trainer(ctx, model, make_optimizer,
+                        tt::TrainerOptions()
+                            .spec(tessera::parallel::ShardingSpec::parse(a.spec))
+                            .lr(tt::LrSchedule().peak(a.lr).warmup_steps(warmup).total_steps(total).decay(
+                                opt == "lars" ? tt::LrDecay::kPolynomial : tt::LrDecay::kCosine)));
+
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t epoch = 1; epoch <= a.epochs; ++epoch) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * a.seed + epoch);
+      const at::Tensor order = at::randperm(n, gen);
+      double loss_sum = 0;
+      const int64_t local = a.batch / dp;
+      for (int64_t s = 0; s < steps_per_epoch; ++s) {
+        const at::Tensor idx = order.narrow(0, s * a.batch + rank * local, local);
+        loss_sum += trainer.train_step(train_x.index_select(0, idx), train_y.index_select(0, idx)).loss;
+      }
+      double accuracy = 0;
+      {
+        at::NoGradGuard no_grad;
+        at::Tensor pred = trainer.module().run([&] { return model.layers->forward(test_x); }).argmax(1);
+        accuracy = pred.eq(test_y).to(at::kDouble).mean().item<double>();
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (rank == 0) {
+        fmt::print(
+            "{{\"optimizer\": \"{}\", \"batch\": {}, \"ranks\": {}, \"spec\": \"{}\", \"peak_lr\": {}, "
+            "\"warmup_epochs\": {}, \"weight_decay\": {}, \"epoch\": {}, \"steps\": {}, \"train_loss\": {:.5f}, "
+            "\"test_accuracy\": {:.5f}, \"seconds\": {:.1f}}}\n",
+            a.optimizer, a.batch, dp, a.spec, a.lr, a.warmup_epochs, a.weight_decay, epoch, trainer.step(),
+            loss_sum / static_cast<double>(steps_per_epoch), accuracy, seconds);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "train_fashion_mnist", train); }

@@ -1,0 +1,394 @@
+// train_gpt: a GPT trained with every kind of parallelism tessera has, on a
+// real text corpus, byte-level by default (docs/train-gpt.md).
+//
+//   mpirun -np 8 train_gpt --dp 2 --pp 2 --tp 2 --spec zero2 --steps 200
+//   mpirun -np 4 train_gpt --config run.json          (the same keys as the flags, without "--")
+//   mpirun -np 2 train_gpt --data my.txt | --data tokens.bin (nanoGPT/llm.c uint16 tokens)
+//
+// Without --data it trains on Debian's `fortunes` corpus. Rank 0 prints a
+// line per step and writes --metrics (JSONL; scripts/plot_metrics.py plots
+// it); --save DIR writes checkpoints, --resume DIR continues from one (in
+// any parallel configuration), --consolidate FILE writes the final weights
+// as one safetensors file, and the run ends with text sampled from the model.
+#include <tessera/models/gpt.h>
+#include <tessera/nn/layer_factory.h>
+#include <tessera/tessera.h>
+
+#include "example_main.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using tessera::context::ParallelMode;
+
+// Every option with its default; flags and --config override them.
+Json defaults() {
+  return {{"dp", 0},
+          {"pp", 1},
+          {"tp", 1},
+          {"tp_mode", "1d"},
+          {"sequence_parallel", false},
+          {"spec", "ddp"},
+          {"schedule", "1f1b"},
+          {"microbatches", 0},
+          {"chunks", 1},
+          {"precision", "fp32"},
+          {"optimizer", "adamw"},
+          {"lr", 3e-3},
+          {"min_lr_ratio", 0.1},
+          {"warmup", 10},
+          {"decay", "cosine"},
+          {"weight_decay", 0.1},
+          {"clip", 1.0},
+          {"steps", 100},
+          {"batch", 16},
+          {"seq", 64},
+          {"layers", 4},
+          {"heads", 4},
+          {"hidden", 128},
+          {"dropout", 0.0},
+          {"accumulation", 1},
+          {"checkpoint_activations", false},
+          {"data", ""},
+          {"save", ""},
+          {"save_every", 0},
+          {"resume", ""},
+          {"metrics", ""},
+          {"consolidate", ""},
+          {"sample", 200},
+          {"eval_every", 25},
+          {"log_every", 1},
+          {"seed", 1}};
+}
+
+// Flags (--name value; --flag alone for booleans), after --config FILE.
+Json parse_args(int argc, char** argv) {
+  Json args = defaults();
+  auto set = [&](const std::string& key, const Json& value) {
+    TORCH_CHECK(args.contains(key), "unknown option '", key, "'; see the comment at the top of examples/train_gpt.cpp");
+    const Json& d = args[key];
+    if (d.is_boolean()) {
+      TORCH_CHECK(value.is_boolean() || value.is_string(), "option '", key, "' takes true or false");
+      args[key] = value.is_boolean() ? value.get<bool>() : value.get<std::string>() != "false";
+    } else if (d.is_number()) {
+      double v = 0;
+      try {
+        v = value.is_number() ? value.get<double>() : std::stod(value.get<std::string>());
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "option '", key, "' takes a number, got ", value.dump());
+      }
+      args[key] = d.is_number_integer() ? Json(static_cast<int64_t>(v)) : Json(v);
+    } else {
+      args[key] = value.is_string() ? value.get<std::string>() : value.dump();
+    }
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    TORCH_CHECK(flag.rfind("--", 0) == 0, "expected a flag, got '", flag, "'");
+    std::string key = flag.substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    if (key == "config") {
+      TORCH_CHECK(i + 1 < argc, "--config needs a file");
+      std::ifstream in(argv[++i]);
+      TORCH_CHECK(in.good(), "--config: cannot read ", argv[i]);
+      Json file;
+      try {
+        file = Json::parse(in);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "--config ", argv[i], " is not valid JSON: ", e.what());
+      }
+      for (auto it = file.begin(); it != file.end(); ++it) set(it.key(), it.value());
+      continue;
+    }
+    TORCH_CHECK(args.contains(key), "unknown flag ", flag, "; see the comment at the top of examples/train_gpt.cpp");
+    if (args[key].is_boolean() && (i + 1 == argc || std::string(argv[i + 1]).rfind("--", 0) == 0)) {
+      args[key] = true;
+      continue;
+    }
+    TORCH_CHECK(i + 1 < argc, "flag ", flag, " needs a value");
+    set(key, Json(std::string(argv[++i])));
+  }
+  return args;
+}
+
+// The token stream: bytes of a text (vocabulary 256) or uint16 tokens.
+struct Corpus {
+  at::Tensor tokens;  // int64
+  int64_t vocab = 256;
+  std::string source;
+};
+
+Corpus load_corpus(const std::string& path) {
+  Corpus c;
+  std::string bytes;
+  auto read_file = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    TORCH_CHECK(in.good(), "cannot read the data file ", p.string());
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  if (path.empty()) {
+    const fs::path dir = "/usr/share/games/fortunes";
+    TORCH_CHECK(fs::is_directory(dir), "no --data given and no default corpus at ", dir.string(),
+                ": install Debian's 'fortunes' package (apt-get install fortunes) or pass --data FILE");
+    std::set<fs::path> files;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.is_regular_file() && !e.is_symlink() && e.path().extension().empty()) files.insert(e.path());
+    for (const auto& f : files) bytes += read_file(f);
+    c.source = fmt::format("{} ({} files)", dir.string(), files.size());
+  } else {
+    TORCH_CHECK(fs::exists(path), "the data file ", path, " does not exist");
+    bytes = read_file(path);
+    c.source = path;
+    if (fs::path(path).extension() == ".bin") {
+      // llm.c's files start with a 256-int32 header whose first word is 20240520; nanoGPT's have none.
+      size_t skip = 0;
+      int32_t magic = 0;
+      if (bytes.size() >= 1024) std::memcpy(&magic, bytes.data(), 4);
+      if (magic == 20240520) skip = 1024;
+      const int64_t n = static_cast<int64_t>((bytes.size() - skip) / 2);
+      at::Tensor t = at::empty({n}, at::kShort);
+      std::memcpy(t.data_ptr(), bytes.data() + skip, static_cast<size_t>(n) * 2);
+      c.tokens = t.to(at::kInt).bitwise_and(0xFFFF).to(at::kLong);
+      c.vocab = std::max<int64_t>(50257, c.tokens.max().item<int64_t>() + 1);
+      return c;
+    }
+  }
+  TORCH_CHECK(bytes.size() > 1000, "the corpus ", c.source, " has only ", bytes.size(), " bytes");
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  c.tokens = t.to(at::kLong);
+  return c;
+}
+
+// `rows` windows of seq + 1 tokens from [begin, end), drawn from (seed, step):
+// the same on every rank, and the data position of a run is just its step.
+std::pair<at::Tensor, at::Tensor> windows(const at::Tensor& tokens, int64_t begin, int64_t end, int64_t rows,
+                                          int64_t seq, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor starts = at::randint(begin, end - seq - 1, {rows, 1}, gen, at::kLong);
+  at::Tensor idx = starts + at::arange(seq + 1, at::kLong).view({1, -1});
+  at::Tensor w = tokens.index_select(0, idx.view({-1})).view({rows, seq + 1});
+  return {w.narrow(1, 0, seq).contiguous(), w.narrow(1, 1, seq).contiguous()};
+}
+
+std::string printable(int64_t token) {
+  if (token == '\n' || token == '\t') return std::string(1, static_cast<char>(token));
+  if (token >= 32 && token < 127) return std::string(1, static_cast<char>(token));
+  return "?";
+}
+
+std::string human_bytes(double b) {
+  if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
+  if (b >= 1e6) return fmt::format("{:.2f} MB", b / 1e6);
+  return fmt::format("{:.1f} kB", b / 1e3);
+}
+
+int train(int argc, char** argv) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const auto started = std::chrono::steady_clock::now();
+  {
+    const Json a = parse_args(argc, argv);
+    TORCH_CHECK(a["tp_mode"] == "1d", "--tp-mode ", a["tp_mode"].get<std::string>(),
+                ": train_gpt has the 1D tensor-parallel GPT only (2d/2.5d/3d layers are not built yet)");
+    TORCH_CHECK(a["precision"] == "fp32" || a["precision"] == "bf16", "--precision must be fp32 or bf16, got '",
+                a["precision"].get<std::string>(), "'");
+    const std::string opt_name = a["optimizer"];
+    TORCH_CHECK(opt_name == "adamw" || opt_name == "lamb" || opt_name == "lars" || opt_name == "sgd",
+                "--optimizer must be adamw, lamb, lars or sgd, got '", opt_name, "'");
+    for (const char* k : {"steps", "batch", "seq", "layers", "heads", "hidden", "accumulation", "log_every"})
+      TORCH_CHECK(a[k].get<int64_t>() >= 1, "--", k, " must be >= 1, got ", a[k].get<int64_t>());
+
+    auto trace = std::make_shared<tessera::comm::CommTrace>();
+    auto world = std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
+    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig()
+                                                                    .data(a["dp"].get<int>())
+                                                                    .pipeline(a["pp"].get<int>())
+                                                                    .tensor(a["tp"].get<int>()));
+    const int pp = ctx->size(ParallelMode::kPipeline);
+    const int64_t micro = a["microbatches"].get<int64_t>() > 0 ? a["microbatches"].get<int64_t>() : 2 * pp;
+    tessera::train::MetricsLog log(rank == 0, a["metrics"].get<std::string>());
+
+    const Corpus corpus = load_corpus(a["data"]);
+    const int64_t n = corpus.tokens.numel(), split = n * 9 / 10, seq = a["seq"];
+    TORCH_CHECK(n - split > seq + 2, "the corpus is too small for --seq ", seq);
+
+    tessera::models::GPTConfig cfg;
+    cfg.vocab = corpus.vocab;
+    cfg.context = seq;
+    cfg.layers = a["layers"];
+    cfg.heads = a["heads"];
+    cfg.hidden = a["hidden"];
+    cfg.dropout = a["dropout"];
+    cfg.checkpoint_activations = a["checkpoint_activations"];
+    torch::manual_seed(a["seed"].get<int64_t>());
+    auto factory = tessera::nn::make_1d_factory(ctx->comm(ParallelMode::kTensor), a["sequence_parallel"],
+                                                ctx->seed(ParallelMode::kData), ctx->seed(ParallelMode::kTensor));
+    auto gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
+    if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
+
+    const double lr = a["lr"], wd = a["weight_decay"];
+    auto make_optimizer = [&](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+      std::shared_ptr<torch::optim::Optimizer> o;
+      if (opt_name == "lamb") {
+        o = std::make_shared<tessera::optim::Lamb>(
+            tessera::optim::param_groups(named, tessera::optim::LambOptions(lr).weight_decay(wd)));
+      } else if (opt_name == "lars") {
+        o = std::make_shared<tessera::optim::Lars>(
+            tessera::optim::param_groups(named, tessera::optim::LarsOptions(lr).weight_decay(wd)));
+      } else {
+        std::vector<at::Tensor> params;
+        for (const auto& p : named) params.push_back(p.second);
+        if (opt_name == "sgd")
+          o = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(0.9));
+        else
+          o = std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).weight_decay(wd));
+      }
+      return o;
+    };
+    const int64_t steps = a["steps"];
+    auto model = tessera::train::gpt_train_model(gpt);
+    if (a["precision"] == "bf16") {
+      auto inner = model.loss;
+      model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+    }
+    tessera::train::Trainer trainer(ctx, model, make_optimizer,
+                                    tessera::train::TrainerOptions()
+                                        .spec(tessera::parallel::ShardingSpec::parse(a["spec"]))
+                                        .pipeline(tessera::parallel::PipelineOptions()
+                                                      .schedule(tessera::parallel::parse_schedule_kind(a["schedule"]))
+                                                      .microbatches(static_cast<int>(micro))
+                                                      .chunks(a["chunks"].get<int>()))
+                                        .accumulation(pp > 1 ? 1 : a["accumulation"].get<int64_t>())
+                                        .clip_grad_norm(a["clip"])
+                                        .lr(tessera::train::LrSchedule()
+                                                .peak(lr)
+                                                .warmup_steps(a["warmup"])
+                                                .total_steps(steps)
+                                                .decay(tessera::train::lr_decay_from_string(a["decay"]))
+                                                .min_ratio(a["min_lr_ratio"])));
+    if (!a["resume"].get<std::string>().empty()) {
+      trainer.load(a["resume"]);
+      log.print(fmt::format("resumed from {} at step {}", a["resume"].get<std::string>(), trainer.step()));
+    }
+
+    const int64_t rows = a["batch"];
+    auto data = ctx->comm(ParallelMode::kData);
+    TORCH_CHECK(rows % data->size() == 0, "--batch ", rows, " must be divisible by the data-parallel size ",
+                data->size());
+    const int64_t local_rows = rows / data->size();
+    auto local = [&](const at::Tensor& t) { return t.narrow(0, data->rank() * local_rows, local_rows); };
+    const double flops_per_token = tessera::train::gpt_flops_per_token(cfg, seq);
+    double parameters = 0;
+    for (const auto& [name, place] : gpt->placements()) {
+      double numel = 1;
+      for (int64_t d : place.full_shape) numel *= static_cast<double>(d);
+      parameters += numel;
+    }
+    world->barrier();
+    const double peak_flops = tessera::train::measured_matmul_flops();
+    log.print(
+        fmt::format("train_gpt: {} | corpus {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, {:.2f} M "
+                    "parameters | spec {} | {} | {} | {} steps of {} x {} tokens",
+                    tessera::context::to_string(ctx->config()), corpus.source, n, corpus.vocab, cfg.layers, cfg.hidden,
+                    cfg.heads, parameters / 1e6, a["spec"].get<std::string>(),
+                    pp > 1 ? fmt::format("schedule {} x {} micro-batches", a["schedule"].get<std::string>(), micro)
+                           : std::string("no pipeline"),
+                    opt_name, steps, rows, seq));
+
+    const uint64_t seed = a["seed"].get<uint64_t>();
+    const int64_t eval_every = a["eval_every"], save_every = a["save_every"];
+    const std::string save_dir = a["save"];
+    double last_loss = 0;
+    while (trainer.step() < steps) {
+      const int64_t step = trainer.step();
+      auto [x, y] = windows(corpus.tokens, 0, split, rows, seq, seed * 1000003 + static_cast<uint64_t>(step));
+      const double bytes_before = static_cast<double>(trace->total().bytes);
+      const auto st = trainer.train_step(local(x), local(y));
+      last_loss = st.loss;
+      const double tokens = static_cast<double>(rows * seq), tps = tokens / st.seconds;
+      const double mfu = flops_per_token * tps / (peak_flops * world->size());
+      const double state = static_cast<double>(trainer.memory().total());
+      const double comm = static_cast<double>(trace->total().bytes) - bytes_before;
+      log.record("train", {{"step", st.step},
+                           {"loss", st.loss},
+                           {"lr", st.lr},
+                           {"grad_norm", st.grad_norm},
+                           {"tokens_per_s", tps},
+                           {"mfu", mfu},
+                           {"model_state_bytes", state},
+                           {"comm_bytes", comm},
+                           {"seconds", st.seconds}});
+      if (st.step % a["log_every"].get<int64_t>() == 0 || st.step == steps)
+        log.print(
+            fmt::format("step {:4d}/{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | "
+                        "comm {}/step/rank | {:.0f} ms{}",
+                        st.step, steps, st.loss, st.lr, tps, 100 * mfu, human_bytes(state), human_bytes(comm),
+                        1000 * st.seconds, st.skipped ? " | skipped (overflow)" : ""));
+      if (eval_every > 0 && (st.step % eval_every == 0 || st.step == steps)) {
+        auto [vx, vy] = windows(corpus.tokens, split, n, rows, seq, 7 + static_cast<uint64_t>(st.step));
+        const double val = trainer.evaluate(local(vx), local(vy));
+        log.record("eval", {{"step", st.step}, {"val_loss", val}});
+        log.print(fmt::format("step {:4d}/{} | validation loss {:.4f}", st.step, steps, val));
+      }
+      if (!save_dir.empty() && save_every > 0 && st.step % save_every == 0)
+        trainer.save(fmt::format("{}/step-{:06d}", save_dir, st.step), fmt::format(R"({{"step": {}}})", st.step));
+    }
+
+    // The final weights, full, through a checkpoint; rank 0 samples from a serial copy.
+    const std::string final_dir = (save_dir.empty() ? std::string("train_gpt_out") : save_dir) + "/final";
+    trainer.save(final_dir, fmt::format(R"({{"step": {}}})", trainer.step()));
+    // Collective: rank 0 alone gets a communicator for its serial copy.
+    auto self = a["sample"].get<int64_t>() > 0 ? world->inner()->split(rank == 0 ? 0 : -1, 0, "sample") : nullptr;
+    if (rank == 0) {
+      if (!a["consolidate"].get<std::string>().empty()) {
+        tessera::train::consolidate_checkpoint(final_dir, a["consolidate"]);
+        log.print(fmt::format("consolidated weights: {}", a["consolidate"].get<std::string>()));
+      }
+      const int64_t sample = a["sample"];
+      if (sample > 0) {
+        tessera::train::CheckpointReader reader(final_dir);
+        std::map<std::string, at::Tensor> full;
+        for (const auto& name : reader.names("model/")) full[name.substr(6)] = reader.full(name).to(at::kFloat);
+        auto serial_cfg = cfg;
+        serial_cfg.dropout = 0;
+        tessera::models::GPT serial(serial_cfg, tessera::nn::make_1d_factory(self, false, 1, 2));
+        serial->load_full_state(full);
+        serial->eval();
+        at::NoGradGuard no_grad;
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+        at::Tensor ids = at::full({1, 1}, corpus.vocab == 256 ? int64_t('\n') : int64_t(0), at::kLong);
+        std::string text;
+        for (int64_t i = 0; i < sample; ++i) {
+          at::Tensor ctx_ids = ids.size(1) > seq ? ids.narrow(1, ids.size(1) - seq, seq) : ids;
+          at::Tensor logits = serial->forward(ctx_ids).select(1, ctx_ids.size(1) - 1).squeeze(0) / 0.8;
+          const int64_t next = at::multinomial(at::softmax(logits, 0), 1, false, gen).item<int64_t>();
+          ids = at::cat({ids, at::full({1, 1}, next, at::kLong)}, 1);
+          text += corpus.vocab == 256 ? printable(next) : fmt::format("<{}>", next);
+        }
+        log.print(fmt::format("final loss {:.4f}; sampled text (temperature 0.8):\n{}", last_loss, text));
+      }
+      log.print(fmt::format("train_gpt: done in {:.0f} s",
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "train_gpt", train); }

@@ -1,0 +1,46 @@
+#pragma once
+// What a training run reports while it runs: a progress line per step on
+// stdout and one JSON object per step in a JSONL file (rank 0 only), which
+// scripts/plot_metrics.py turns into a PNG of loss and throughput.
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tessera {
+namespace models {
+struct GPTConfig;
+}
+namespace train {
+
+class MetricsLog {
+ public:
+  // Writes only where `enabled` (rank 0); an empty path writes no file.
+  MetricsLog(bool enabled, const std::string& path);
+
+  // {"kind": kind, "<name>": value, ...} as one line of the file.
+  void record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields);
+  void print(const std::string& line) const;
+  bool enabled() const { return enabled_; }
+
+ private:
+  bool enabled_;
+  std::unique_ptr<std::ofstream> file_;
+};
+
+// Model FLOPs of one training token of a GPT at sequence length `seq`:
+// 6·N (forward and backward through every weight matrix, N the parameters
+// outside the position embedding) + 12·L·h·seq (attention scores and
+// values), the formula of Kaplan et al. / PaLM's MFU. Recomputation
+// (activation checkpointing) is not counted: MFU counts model FLOPs only.
+double gpt_flops_per_token(const models::GPTConfig& config, int64_t seq);
+
+// The FLOP/s this rank reaches on a float32 matrix product of side `n`
+// (best of `repeats`): the peak an MFU figure on CPUs is taken against.
+// Call it on all ranks at once, so that ranks sharing cores measure their share.
+double measured_matmul_flops(int64_t n = 512, int repeats = 5);
+
+}  // namespace train
+}  // namespace tessera

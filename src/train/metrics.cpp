@@ -1,0 +1,58 @@
+#include "tessera/train/metrics.h"
+
+#include "tessera/models/gpt.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace tessera {
+namespace train {
+
+MetricsLog::MetricsLog(bool enabled, const std::string& path) : enabled_(enabled) {
+  if (!enabled_ || path.empty()) return;
+  file_ = std::make_unique<std::ofstream>(path, std::ios::trunc);
+  TORCH_CHECK(file_->good(), "metrics: cannot write ", path);
+}
+
+void MetricsLog::record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields) {
+  if (!file_) return;
+  nlohmann::ordered_json line;
+  line["kind"] = kind;
+  for (const auto& [name, value] : fields) line[name] = value;
+  *file_ << line.dump() << "\n";
+  file_->flush();
+}
+
+void MetricsLog::print(const std::string& line) const {
+  if (!enabled_) return;
+  fmt::print("{}\n", line);
+  std::fflush(stdout);
+}
+
+double gpt_flops_per_token(const models::GPTConfig& c, int64_t seq) {
+  const double h = static_cast<double>(c.hidden), l = static_cast<double>(c.layers);
+  const double per_block = 12.0 * h * h + 13.0 * h;  // attention 4h² + MLP 8h², biases and norms
+  const double n = static_cast<double>(c.vocab) * h + l * per_block + 2.0 * h;  // wte (tied head), blocks, ln_f
+  return 6.0 * n + 12.0 * l * h * static_cast<double>(seq);
+}
+
+double measured_matmul_flops(int64_t n, int repeats) {
+  at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  at::mm(a, b);  // warm-up
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor c = at::mm(a, b);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best;
+}
+
+}  // namespace train
+}  // namespace tessera
