@@ -37,22 +37,6 @@ std::string flag_value(int argc, char** argv, const char* flag) {
   return "";
 }
 
-// Every rank's text, concatenated on rank 0 in rank order.
-std::string gather_text(Communicator& world, const std::string& text) {
-  at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
-  at::Tensor lengths = at::empty({world.size()}, at::kLong);
-  world.all_gather(lengths, length);
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor mine = at::zeros({longest}, at::kByte);
-  std::memcpy(mine.data_ptr(), text.data(), text.size());
-  at::Tensor all = at::empty({world.size() * longest}, at::kByte);
-  world.all_gather(all, mine);
-  std::string out;
-  for (int r = 0; r < world.size(); ++r)
-    out.append(static_cast<const char*>(all.data_ptr()) + r * longest, lengths[r].item<int64_t>());
-  return out;
-}
-
 // The grid as one table of coordinates and every mode's groups.
 void print_grid(const tessera::context::RankGrid& grid) {
   using tessera::context::Dim;
@@ -127,7 +111,8 @@ int run(int argc, char** argv) {
     fmt::print("config: {}\n\n", tessera::context::to_string(ctx->config()));
   }
   if (has_flag(argc, argv, "--verbose")) {
-    const std::string text = gather_text(*world, ctx->describe() + "\n");
+    std::string text;
+    for (const auto& part : tessera::comm::all_gather_strings(*world, ctx->describe() + "\n")) text += part;
     if (root) fmt::print("{}", text);
   } else if (root) {
     print_grid(ctx->grid());

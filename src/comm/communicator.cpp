@@ -1,6 +1,9 @@
 #include "tessera/comm/communicator.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
+#include <cstring>
 
 namespace tessera {
 namespace comm {
@@ -58,6 +61,23 @@ std::string op_type_name(OpType op) {
       return "barrier";
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled OpType");
+}
+
+std::vector<std::string> all_gather_strings(Communicator& group, const std::string& mine) {
+  const int n = group.size();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lengths = at::empty({n}, at::kLong);
+  group.all_gather(lengths, length);
+  const int64_t longest = std::max<int64_t>(1, lengths.max().item<int64_t>());
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({n * longest}, at::kByte);
+  group.all_gather(all, bytes);
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(static_cast<const char*>(all.data_ptr()) + r * longest,
+                     static_cast<size_t>(lengths[r].item<int64_t>()));
+  return out;
 }
 
 }  // namespace comm

@@ -19,25 +19,6 @@ namespace {
 using Json = nlohmann::json;
 namespace fs = std::filesystem;
 
-// Every rank's string, in rank order (lengths first, then padded bytes).
-std::vector<std::string> all_gather_strings(comm::Communicator& world, const std::string& mine) {
-  const int n = world.size();
-  at::Tensor len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
-  at::Tensor lens = at::empty({n}, at::kLong);
-  world.all_gather(lens, len);
-  const int64_t most = lens.max().item<int64_t>();
-  at::Tensor bytes = at::zeros({most}, at::kByte);
-  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({n * most}, at::kByte);
-  world.all_gather(all, bytes);
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    const char* p = static_cast<const char*>(all.data_ptr()) + r * most;
-    out.emplace_back(p, static_cast<size_t>(lens[r].item<int64_t>()));
-  }
-  return out;
-}
-
 Json describe(const TensorPiece& p) {
   return {{"name", p.name},         {"shape", p.full_shape}, {"dim", p.dim},
           {"offset", p.offset},     {"length", p.length},    {"flat", {p.flat_begin, p.flat_end}},
@@ -101,7 +82,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
                 p.data.defined() ? p.data.numel() : 0, " elements where its description says ", expect);
     mine.push_back(describe(p));
   }
-  const auto all = all_gather_strings(*world, mine.dump());
+  const auto all = comm::all_gather_strings(*world, mine.dump());
 
   // Who writes each distinct piece (the same decision on every rank).
   std::map<std::string, std::vector<std::pair<int, size_t>>> holders;  // key -> (rank, index there)

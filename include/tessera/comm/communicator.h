@@ -156,5 +156,9 @@ class Communicator {
   virtual CommunicatorPtr split(int color, int key, const std::string& name) = 0;
 };
 
+// Every rank's string, in rank order, on every rank (lengths all-gathered,
+// then the padded bytes): for descriptions and reports. Collective.
+std::vector<std::string> all_gather_strings(Communicator& group, const std::string& mine);
+
 }  // namespace comm
 }  // namespace tessera
