@@ -266,12 +266,15 @@ TEST(Checkpoint, BadInputIsRefused) {
       [](const std::vector<std::pair<std::string, at::Tensor>>& n) {
         std::vector<at::Tensor> p;
         for (const auto& e : n) p.push_back(e.second);
-        return std::make_shared<torch::optim::AdamW>(p);
+        return std::make_shared<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
       },
       train::TrainerOptions()
           .spec(parallel::ShardingSpec::parse(s.spec))
           .pipeline(parallel::PipelineOptions().microbatches(s.microbatches)));
   EXPECT_TRUE(test::throws_with([&] { wide.load(dir); }, "has shape"));
+  // Another optimizer: AdamW cannot take SGD's states.
+  Model adamw = make_run(ctx, s, 7, 0.0, true);
+  EXPECT_TRUE(test::throws_with([&] { adamw.trainer->load(dir); }, "holds the states of optimizer 'sgd'"));
   // A save that did not finish.
   if (world->rank() == 0) std::filesystem::create_directories(dir + "-2.partial");
   world->barrier();

@@ -2,10 +2,15 @@
 
 #include "tessera/models/gpt.h"
 #include "tessera/nn/parallel_dropout.h"
+#include "tessera/optim/lamb.h"
+#include "tessera/optim/lars.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -42,6 +47,17 @@ std::vector<nn::ParallelDropoutImpl*> dropouts(torch::nn::Module& module) {
     if (auto* d = dynamic_cast<nn::ParallelDropoutImpl*>(m.get()); d != nullptr && seen.insert(d).second)
       out.push_back(d);
   return out;
+}
+
+// The optimizer's family, recorded in a checkpoint: states of one family
+// mean nothing to another (exp_avg of AdamW is not LAMB's).
+std::string optimizer_kind(torch::optim::Optimizer& o) {
+  if (dynamic_cast<torch::optim::AdamW*>(&o)) return "adamw";
+  if (dynamic_cast<torch::optim::Adam*>(&o)) return "adam";
+  if (dynamic_cast<torch::optim::SGD*>(&o)) return "sgd";
+  if (dynamic_cast<optim::Lamb*>(&o)) return "lamb";
+  if (dynamic_cast<optim::Lars*>(&o)) return "lars";
+  return "other";
 }
 
 std::string rng_prefix(int rank) { return "rng/" + std::to_string(rank) + "/"; }
@@ -226,6 +242,7 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
   meta["world_size"] = ctx_->world()->size();
   meta["parallel"] = context::to_string(ctx_->config());
   meta["spec"] = options_.spec().to_string();
+  meta["optimizer"] = optimizer_kind(optimizer_->inner());
   if (scaler_) {
     const auto s = scaler_->state();
     meta["loss_scaler"] = {{"scale", s.scale},
@@ -241,6 +258,10 @@ std::string Trainer::load(const std::string& dir) {
   // Every rank opens it, so an error (a missing or partial checkpoint) is raised on every rank.
   CheckpointReader reader(dir);
   const Json meta = Json::parse(reader.metadata());
+  const std::string kind = optimizer_kind(optimizer_->inner());
+  TORCH_CHECK(meta.value("optimizer", kind) == kind, "checkpoint ", dir, " holds the states of optimizer '",
+              meta.value("optimizer", ""), "', this trainer's optimizer is '", kind,
+              "': their states do not carry over; resume with the same optimizer");
   load_optimizer_pieces(reader, *optimizer_, placements_);
   step_ = meta.at("step").get<int64_t>();
   if (scaler_ && meta.contains("loss_scaler")) {
