@@ -214,9 +214,8 @@ at::Tensor CheckpointReader::full(const std::string& name) const {
   auto it = tensors_.find(name);
   TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
   const Entry& e = it->second;
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
   auto read = [&](const Piece& p) {
-    auto& f = files[p.file];
+    auto& f = files_[p.file];
     if (!f) f = std::make_unique<SafetensorsFile>(dir_ + "/" + p.file);
     return f->read(p.key);
   };

@@ -92,6 +92,15 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
     }
     return it->second.view({-1});
   };
+  // "optim/<state>/<name>" keys by parameter name: (state, key) pairs.
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> states;
+  const std::string prefix = "optim/";
+  for (const auto& key : reader.names(prefix)) {
+    const auto slash = key.find('/', prefix.size());
+    if (slash == std::string::npos) continue;
+    const std::string what = key.substr(prefix.size(), slash - prefix.size());
+    if (what != "step") states[key.substr(slash + 1)].emplace_back(what, key);
+  }
   for (const auto& v : optimizer.piece_views()) {
     auto it = where.find(v.param.unsafeGetTensorImpl());
     TORCH_CHECK(it != where.end(), "load_optimizer_pieces: a parameter of shape ", v.param.sizes(),
@@ -103,12 +112,7 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
     optim::ParamState state;
     const std::string step_key = "optim/step/" + name;
     if (reader.contains(step_key)) state.step = reader.full(step_key).item<int64_t>();
-    const std::string prefix = "optim/";
-    for (const auto& key : reader.names(prefix)) {
-      const auto slash = key.find('/', prefix.size());
-      if (slash == std::string::npos || key.substr(slash + 1) != name) continue;
-      const std::string what = key.substr(prefix.size(), slash - prefix.size());
-      if (what == "step") continue;
+    for (const auto& [what, key] : states[name]) {
       at::Tensor t = at::zeros({v.value.numel()}, v.value.options());
       t.narrow(0, 0, end - v.begin).copy_(region(key, placement).narrow(0, v.begin, end - v.begin));
       state.tensors[what] = t;

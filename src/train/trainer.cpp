@@ -114,6 +114,7 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               ") are not supported with pipeline stages; shard gradients and "
               "optimizer states only (zero2, {R,P(k),S})");
   if (pp > 1) sharded_->set_gradient_sync(false);  // reduced once after the schedule
+  gather_by_unit_ = !shares_parameters(model_.layers);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::set<const c10::TensorImpl*> seen;
@@ -144,12 +145,11 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   const int64_t n = inputs.size(0), m = options_.accumulation();
   TORCH_CHECK(n % m == 0, "Trainer: this rank's ", n, " rows do not split into ", m,
               " accumulation micro-batches; make the local batch a multiple of accumulation");
-  const bool by_unit = !shares_parameters(model_.layers);
   double total = 0;
   for (int64_t i = 0; i < m; ++i) {
     sharded_->set_gradient_sync(i == m - 1);
     const at::Tensor x = rows(inputs, i * (n / m), n / m), y = rows(targets, i * (n / m), n / m);
-    at::Tensor out = by_unit ? sharded_->forward(x) : sharded_->run([&] { return model_.layers->forward(x); });
+    at::Tensor out = gather_by_unit_ ? sharded_->forward(x) : sharded_->run([&] { return model_.layers->forward(x); });
     at::Tensor loss = model_.loss(out, y) / static_cast<double>(m);
     total += loss.item<double>();
     (scale != 1.0 ? loss * scale : loss).backward();

@@ -24,6 +24,7 @@
 // one, and files whose sizes differ from the index, with a message that
 // says so.
 #include "tessera/comm/communicator.h"
+#include "tessera/train/safetensors.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -90,6 +91,8 @@ class CheckpointReader {
   std::string metadata_;
   int world_size_ = 0;
   std::map<std::string, Entry> tensors_;
+  // Files opened (headers parsed) once, on first use.
+  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
 };
 
 // Writes the tensors named `prefix`... of a checkpoint, full and with the

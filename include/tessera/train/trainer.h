@@ -133,6 +133,9 @@ class Trainer {
   std::unique_ptr<parallel::ShardedOptimizer> optimizer_;
   std::optional<optim::LossScaler> scaler_;
   Placements placements_;  // of local_'s parameters
+  // Without a pipeline: gather one layer at a time, unless layers share a
+  // parameter (tied weights), which must stay gathered for the whole forward.
+  bool gather_by_unit_ = true;
   int64_t step_ = 0;
 };
 
