@@ -22,12 +22,14 @@
 #include <torch/optim/sgd.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -41,6 +43,11 @@ Json defaults() {
           {"pp", 1},
           {"tp", 1},
           {"tp_mode", "1d"},
+          {"tp_depth", 1},
+          {"sp", 1},
+          {"sp_mode", "ulysses"},
+          {"ep", 1},
+          {"order", "tp-sp-dp-pp"},
           {"sequence_parallel", false},
           {"spec", "ddp"},
           {"schedule", "1f1b"},
@@ -125,6 +132,21 @@ Json parse_args(int argc, char** argv) {
   return args;
 }
 
+// The grid's dimensions go through the library's one flag parser
+// (context::config_from_args), whichever way they were given here.
+tessera::context::ParallelConfig parallel_config(const Json& a) {
+  std::vector<std::string> words = {"train_gpt"};
+  for (const char* key : {"dp", "pp", "tp", "tp_mode", "tp_depth", "sp", "sp_mode", "ep", "order"}) {
+    std::string flag = std::string("--") + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    words.push_back(flag);
+    words.push_back(a[key].is_string() ? a[key].get<std::string>() : a[key].dump());
+  }
+  std::vector<const char*> argv;
+  for (const auto& w : words) argv.push_back(w.c_str());
+  return tessera::context::config_from_args(static_cast<int>(argv.size()), argv.data());
+}
+
 // The token stream: bytes of a text (vocabulary 256) or uint16 tokens.
 struct Corpus {
   at::Tensor tokens;  // int64
@@ -203,8 +225,6 @@ int train(int argc, char** argv) {
   const auto started = std::chrono::steady_clock::now();
   {
     const Json a = parse_args(argc, argv);
-    TORCH_CHECK(a["tp_mode"] == "1d", "--tp-mode ", a["tp_mode"].get<std::string>(),
-                ": train_gpt has the 1D tensor-parallel GPT only (2d/2.5d/3d layers are not built yet)");
     TORCH_CHECK(a["precision"] == "fp32" || a["precision"] == "bf16", "--precision must be fp32 or bf16, got '",
                 a["precision"].get<std::string>(), "'");
     const std::string opt_name = a["optimizer"];
@@ -215,10 +235,7 @@ int train(int argc, char** argv) {
 
     auto trace = std::make_shared<tessera::comm::CommTrace>();
     auto world = std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
-    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig()
-                                                                    .data(a["dp"].get<int>())
-                                                                    .pipeline(a["pp"].get<int>())
-                                                                    .tensor(a["tp"].get<int>()));
+    auto ctx = tessera::context::ParallelContext::create(world, parallel_config(a));
     const int pp = ctx->size(ParallelMode::kPipeline);
     const int64_t micro = a["microbatches"].get<int64_t>() > 0 ? a["microbatches"].get<int64_t>() : 2 * pp;
     tessera::train::MetricsLog log(rank == 0, a["metrics"].get<std::string>());
@@ -236,8 +253,8 @@ int train(int argc, char** argv) {
     cfg.dropout = a["dropout"];
     cfg.checkpoint_activations = a["checkpoint_activations"];
     torch::manual_seed(a["seed"].get<int64_t>());
-    auto factory = tessera::nn::make_1d_factory(ctx->comm(ParallelMode::kTensor), a["sequence_parallel"],
-                                                ctx->seed(ParallelMode::kData), ctx->seed(ParallelMode::kTensor));
+    // Refuses, on every rank, the modes whose layers do not exist yet.
+    auto factory = tessera::nn::make_layer_factory(ctx, a["sequence_parallel"]);
     auto gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
     if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
 
@@ -273,7 +290,7 @@ int train(int argc, char** argv) {
                                                       .schedule(tessera::parallel::parse_schedule_kind(a["schedule"]))
                                                       .microbatches(static_cast<int>(micro))
                                                       .chunks(a["chunks"].get<int>()))
-                                        .accumulation(pp > 1 ? 1 : a["accumulation"].get<int64_t>())
+                                        .accumulation(a["accumulation"].get<int64_t>())
                                         .clip_grad_norm(a["clip"])
                                         .lr(tessera::train::LrSchedule()
                                                 .peak(lr)

@@ -15,7 +15,7 @@
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
 
-#include <c10/core/CPUAllocator.h>
+#include "counting_allocator.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -295,76 +295,6 @@ TEST(GPTCheckpointPipeline, EveryScheduleEqualsThePlainPipeline) {
 
 // ---- Memory: live bytes of CPU tensor storage, counted at the allocator.
 
-// Wraps the CPU allocator and counts live and peak bytes. The data pointer is
-// also the context (raw_allocate() requires it), so blocks are found by
-// address. allocate() is declared twice: LibTorch 1.13's is const, 2.x's is not.
-class CountingAllocator : public c10::Allocator {
- public:
-  // Created once around the default allocator and never destroyed: tensors it
-  // allocated may outlive the test that installed it.
-  static CountingAllocator& instance() {
-    static auto* counter = new CountingAllocator(c10::GetDefaultCPUAllocator());
-    return *counter;
-  }
-  c10::DataPtr allocate(size_t n) const { return count(n); }
-  c10::DataPtr allocate(size_t n) { return count(n); }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
-
-  int64_t live() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return live_;
-  }
-  int64_t peak() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peak_ = live_;
-  }
-  c10::Allocator* base() const { return base_; }
-
- private:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  struct Block {
-    c10::DataPtr inner;
-    int64_t bytes;
-  };
-  static void release(void* data) {
-    if (data == nullptr) return;
-    CountingAllocator& self = instance();
-    c10::DataPtr inner;  // freed after the lock is released
-    std::lock_guard<std::mutex> lock(self.mutex_);
-    auto it = self.blocks_.find(data);
-    if (it == self.blocks_.end()) return;
-    self.live_ -= it->second.bytes;
-    inner = std::move(it->second.inner);
-    self.blocks_.erase(it);
-  }
-  c10::DataPtr count(size_t n) const {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    if (data == nullptr) return inner;
-    const c10::Device device = inner.device();
-    std::lock_guard<std::mutex> lock(mutex_);
-    live_ += static_cast<int64_t>(n);
-    peak_ = std::max(peak_, live_);
-    blocks_[data] = Block{std::move(inner), static_cast<int64_t>(n)};
-    return {data, data, &release, device};
-  }
-  c10::Allocator* base_;
-  mutable std::mutex mutex_;
-  mutable std::map<void*, Block> blocks_;
-  mutable int64_t live_ = 0, peak_ = 0;
-};
-
-// Installs the counter as the CPU allocator while it lives.
-struct CountingScope {
-  CountingScope() { c10::SetCPUAllocator(&CountingAllocator::instance()); }
-  ~CountingScope() { c10::SetCPUAllocator(CountingAllocator::instance().base()); }
-};
-
 struct ActivationBytes {
   int64_t after_forward = 0;  // held by the graph (and the logits) when forward returns
   int64_t peak = 0;           // the most held during forward + backward
@@ -372,7 +302,7 @@ struct ActivationBytes {
 
 // A GPT large enough that activations dominate: 4 blocks, s = 128 (the
 // attention scores are [b, heads, s, s]); tensor-parallel over the world.
-ActivationBytes measure(bool checkpoint, CountingAllocator& counter) {
+ActivationBytes measure(bool checkpoint, test::CountingAllocator& counter) {
   models::GPTConfig c = gpt_config(checkpoint);
   c.layers = 4;
   c.hidden = 64;
@@ -398,9 +328,9 @@ TEST(ActivationCheckpointMemory, PeakActivationBytesPerRankAreLower) {
   if (gpt_config(false).heads % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
   ActivationBytes plain, ckpt;
   {
-    CountingScope scope;
-    plain = measure(false, CountingAllocator::instance());
-    ckpt = measure(true, CountingAllocator::instance());
+    test::CountingScope scope;
+    plain = measure(false, test::CountingAllocator::instance());
+    ckpt = measure(true, test::CountingAllocator::instance());
   }
   if (test::world()->rank() == 0) {
     std::printf(

@@ -1,6 +1,8 @@
 // A tensor-parallel GPT sharded over its data group (shards of tensor
-// shards) against the serial GPT on the same global batch: the loss of each
-// of three optimizer steps and the full weights after them.
+// shards) against the serial reference GPT (tests/reference_gpt.h: plain
+// LibTorch, nothing from tessera) with the same initial weights, on the same
+// global batch: the loss of each of three optimizer steps and the full
+// weights after them.
 //
 // SGD with momentum, not AdamW: the key part of c_attn.bias has a gradient
 // that is exactly zero in exact arithmetic (softmax ignores a constant added
@@ -8,6 +10,8 @@
 // 1e-9 that Adam normalizes into full-size steps, different for any other
 // order of summation. The MLP and conv tests cover AdamW.
 #include "test_util.h"
+
+#include "reference_gpt.h"
 
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
@@ -34,7 +38,7 @@ torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.5).momentum(0
 
 // (spec, sequence-parallel variant): in the variant, LayerNorm, position
 // embedding and row-bias gradients are partial over the tensor group and the
-// wrapper sums them (ShardedModuleOptions::partial_gradients).
+// wrapper sums them (ShardedModuleOptions::placements).
 class DataTensorParallel : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
@@ -48,10 +52,15 @@ TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
   if (spec_text.find('2') != std::string::npos && dp % 2 != 0) GTEST_SKIP() << "P(2) needs an even data size";
   const int64_t global_batch = 8;
 
+  // Initial weights: tessera's GPT-2 initialisation (the source of weights only).
   torch::manual_seed(0);
-  models::GPT serial(tiny(), nn::make_1d_factory(world->split(world->rank(), 0, "self"), false, 1, 2));
   std::map<std::string, at::Tensor> initial;
-  for (const auto& entry : serial->full_state()) initial[entry.first] = entry.second.clone();
+  {
+    models::GPT source(tiny(), nn::make_1d_factory(world->split(world->rank(), 0, "self"), false, 1, 2));
+    for (const auto& entry : source->full_state()) initial[entry.first] = entry.second.clone();
+  }
+  test::ReferenceGPT serial(test::reference_config(tiny()));
+  serial->load_full_state(initial);
   torch::optim::SGD serial_opt(serial->parameters(), sgd());
   std::vector<double> serial_losses;
   for (int step = 0; step < 3; ++step) {
@@ -66,7 +75,7 @@ TEST_P(DataTensorParallel, ThreeStepsOfGPTEqualSerial) {
   models::GPT gpt(tiny(), nn::make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sp, 1, 2));
   gpt->load_full_state(initial);
   auto sharded = std::make_shared<parallel::ShardedModule>(
-      gpt.ptr(), ctx, parallel::ShardedModuleOptions().spec(spec).partial_gradients(gpt->partial_gradients()));
+      gpt.ptr(), ctx, parallel::ShardedModuleOptions().spec(spec).placements(gpt->placements()));
   parallel::ShardedOptimizer opt(sharded, std::make_shared<torch::optim::SGD>(gpt->parameters(), sgd()));
   const int64_t rows = global_batch / dp;
   const int64_t first = ctx->rank(context::ParallelMode::kData) * rows;

@@ -1,8 +1,11 @@
-// models::GPT in 1D and its sequence-parallel variant against the serial GPT
-// (the same code over a size-1 group) loaded with the same full weights:
-// logits, loss, every gathered gradient, five AdamW steps, and the
-// communication of one forward + backward against the analytical count.
+// models::GPT in 1D and its sequence-parallel variant against the serial
+// reference GPT (tests/reference_gpt.h: plain LibTorch, nothing from tessera)
+// loaded with the same full weights: logits, loss, every gathered gradient,
+// five AdamW steps, and the communication of one forward + backward against
+// the analytical count.
 #include "test_util.h"
+
+#include "reference_gpt.h"
 
 #include "tessera/comm/tracing_communicator.h"
 #include "tessera/models/gpt.h"
@@ -30,6 +33,17 @@ comm::CommunicatorPtr self_group() {
   return w->split(w->rank(), 0, "self");
 }
 
+// Full weights of tessera's GPT-2 initialisation from `seed` (the same
+// whatever the layout): the weights both sides load. Tessera's GPT serves as
+// the source of weights only; the serial computation is the reference GPT's.
+std::map<std::string, at::Tensor> initial_weights(const models::GPTConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  models::GPT source(c, factory(self_group(), false));
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : source->full_state()) out[entry.first] = entry.second.clone();
+  return out;
+}
+
 at::Tensor seeded_ids(uint64_t seed, int64_t vocab) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randint(vocab, {kBatch, kSeq}, gen, at::kLong);
@@ -51,9 +65,9 @@ TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
   auto tp = test::world();
   const bool sp = GetParam();
   if (tiny().heads % tp->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split over " << tp->size();
-  torch::manual_seed(0);
-  models::GPT serial(tiny(), factory(self_group(), false));
-  const auto full = serial->full_state();
+  const auto full = initial_weights(tiny(), 0);
+  test::ReferenceGPT serial(test::reference_config(tiny()));
+  serial->load_full_state(full);
   models::GPT parallel(tiny(), factory(tp, sp));
   parallel->load_full_state(full);
   for (const auto& entry : parallel->full_state()) {
@@ -102,11 +116,11 @@ TEST(GPTUntied, SeparateHeadMatchesSerial) {
   if (tiny().heads % tp->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split over " << tp->size();
   models::GPTConfig c = tiny();
   c.tied = false;
-  torch::manual_seed(1);
-  models::GPT serial(c, factory(self_group(), false));
-  models::GPT parallel(c, factory(tp, false));
-  const auto full = serial->full_state();
+  const auto full = initial_weights(c, 1);
   ASSERT_TRUE(full.count("lm_head.weight"));
+  test::ReferenceGPT serial(test::reference_config(c));
+  serial->load_full_state(full);
+  models::GPT parallel(c, factory(tp, false));
   parallel->load_full_state(full);
   at::Tensor ids = seeded_ids(5, c.vocab), targets = seeded_ids(6, c.vocab);
   at::Tensor a = serial->loss(serial->forward(ids), targets);

@@ -60,16 +60,20 @@ TORCH_MODULE(TPMLP);
 
 // Full weights drawn once, loaded into the serial and the parallel model alike.
 void load_weights(nn::LayerFactory& f, TPMLPImpl& m) {
-  f.load_full(m.fc1, test::seeded_randn({16, 12}, 1) * 0.3, test::seeded_randn({16}, 2) * 0.1);
-  f.load_full(m.fc2, test::seeded_randn({8, 16}, 3) * 0.3, test::seeded_randn({8}, 4) * 0.1);
+  const std::map<std::string, at::Tensor> full = {{"fc1.weight", test::seeded_randn({16, 12}, 1) * 0.3},
+                                                  {"fc1.bias", test::seeded_randn({16}, 2) * 0.1},
+                                                  {"fc2.weight", test::seeded_randn({8, 16}, 3) * 0.3},
+                                                  {"fc2.bias", test::seeded_randn({8}, 4) * 0.1}};
+  for (const auto& [name, p] : f.placements(m)) nn::load_full(p, full.at(name));
 }
 
 at::Tensor inputs(int step) { return test::seeded_randn({kBatch, 12}, 100 + step); }
 at::Tensor targets(int step) { return test::seeded_randn({kBatch, 8}, 200 + step); }
 
 std::vector<at::Tensor> full_weights(nn::LayerFactory& f, TPMLPImpl& m) {
-  auto a = f.full_weights(m.fc1), b = f.full_weights(m.fc2);
-  return {a.first, a.second, b.first, b.second};
+  std::vector<at::Tensor> out;  // fc1.weight, fc1.bias, fc2.weight, fc2.bias
+  for (const auto& [name, p] : f.placements(m)) out.push_back(nn::full_value(p));
+  return out;
 }
 
 struct Serial {
@@ -109,7 +113,7 @@ void expect_matches_serial(int tp, const std::string& spec, Which which) {
   load_weights(*f, *m);
   auto sharded = std::make_shared<ShardedModule>(
       m.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(spec)).bucket_bytes(256));
-  auto tp_norms = std::make_shared<parallel::TensorParallelNorms>(f->sharded_parameters(*m), tensor);
+  auto tp_norms = std::make_shared<parallel::PlacementNorms>(f->placements(*m));
   ShardedOptimizer opt(sharded, make_optimizer(which, m->parameters()),
                        ShardedOptimizerOptions().whole_norms(tp_norms));
   const int64_t rows = kBatch / data->size();

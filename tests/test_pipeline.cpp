@@ -1,9 +1,12 @@
-// PipelineExecutor on tessera's GPT against the serial GPT: every schedule,
-// at the world's pipeline size (1, 2, 4 ranks), with 1, p and 2p + 1
-// micro-batches: the loss of 3 SGD-momentum steps, the gradients of the first and
-// the parameters after the last, within 1e-5 relative (fp32). Bad input is
-// refused with its value.
+// PipelineExecutor on tessera's GPT against the serial reference GPT
+// (tests/reference_gpt.h: plain LibTorch, nothing from tessera) with the same
+// initial weights: every schedule, at the world's pipeline size (1, 2, 4
+// ranks), with 1, p and 2p + 1 micro-batches: the loss of 3 SGD-momentum
+// steps, the gradients of the first and the parameters after the last, within
+// 1e-5 relative (fp32). Bad input is refused with its value.
 #include "test_util.h"
+
+#include "reference_gpt.h"
 
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
@@ -16,6 +19,9 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <map>
+#include <string>
 
 namespace tessera {
 namespace {
@@ -50,36 +56,63 @@ at::Tensor ids(int64_t rows, uint64_t seed) {
 // order of micro-batches. SGD is still sensitive to a wrong loss scale.
 torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01); }
 
+// The full weights of tessera's GPT built with torch::manual_seed(7), as every
+// pipelined GPT here is (its initialisation gives the same full weights
+// whatever the layout): the serial reference starts from them. Tessera's GPT
+// serves as the source of weights only.
+std::map<std::string, at::Tensor> initial_weights() {
+  auto w = test::world();
+  torch::manual_seed(7);
+  models::GPT source(config(), factory(w->split(w->rank(), 0, "self")));
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : source->full_state()) out[entry.first] = entry.second.clone();
+  return out;
+}
+
+// The serial reference GPT with those weights.
+test::ReferenceGPT reference_gpt() {
+  test::ReferenceGPT gpt(test::reference_config(config()));
+  gpt->load_full_state(initial_weights());
+  return gpt;
+}
+
+// Keyed by full-state names ("h.0.attn.c_attn.weight", Note [GPT full weights]).
 struct SerialRun {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> first_grads, params;
 };
 
 SerialRun serial_run(int64_t rows) {
-  auto w = test::world();
-  torch::manual_seed(7);
-  models::GPT gpt(config(), factory(w->split(w->rank(), 0, "self")));
+  test::ReferenceGPT gpt = reference_gpt();
   torch::optim::SGD opt(gpt->parameters(), sgd());
   SerialRun run;
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
     at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 10 + step)), ids(rows, 20 + step));
     loss.backward();
-    if (step == 0)
-      for (const auto& p : gpt->named_parameters()) run.first_grads[p.key()] = p.value().grad().clone();
+    if (step == 0) run.first_grads = gpt->full_state(/*gradients=*/true);
     opt.step();
     run.losses.push_back(loss.item<double>());
   }
-  for (const auto& p : gpt->named_parameters()) run.params[p.key()] = p.value().detach().clone();
+  run.params = gpt->full_state();
   return run;
 }
 
-// The serial name of each local parameter ("embed" and "head" add no prefix).
-std::map<std::string, at::Tensor> local_named(const PipelineExecutor& pipe) {
+// Each local parameter of the pipeline under its full-state name, as tessera's
+// GPT names its parameters in placements() (the names of full_state(), Note
+// [GPT full weights]); found by storage, so the module names inside the
+// layers do not matter. A parameter the GPT does not name fails the lookup
+// that follows.
+std::map<std::string, at::Tensor> local_named(const PipelineExecutor& pipe, models::GPT& gpt) {
+  std::map<const void*, std::string> names;
+  for (const auto& entry : gpt->placements()) names[entry.second.param.data_ptr()] = entry.first;
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, layer] : pipe.local_layers()) {
-    const std::string prefix = name == "embed" || name == "head" ? "" : name + ".";
-    for (const auto& p : layer->named_parameters()) out[prefix + p.key()] = p.value();
+  for (const auto& layer : pipe.local_layers()) {
+    for (const auto& p : layer.second->named_parameters()) {
+      const auto it = names.find(p.value().data_ptr());
+      out[it != names.end() ? it->second : "<not in GPT::placements(): " + layer.first + "." + p.key() + ">"] =
+          p.value();
+    }
   }
   return out;
 }
@@ -106,7 +139,7 @@ void expect_matches_serial(const context::ParallelContextPtr& ctx, int m, Pipeli
       gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
       options.microbatches(m));
   torch::optim::SGD opt(pipe.parameters(), sgd());
-  const auto named = local_named(pipe);
+  const auto named = local_named(pipe, gpt);
   ASSERT_FALSE(named.empty());
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
@@ -141,10 +174,8 @@ TEST(PipelineClipping, GlobalNormOverStagesEqualsSerial) {
   const int p = test::world()->size();
   if (p > 4) GTEST_SKIP() << "runs at 1, 2 and 4 ranks";
   constexpr double kMax = 0.5;
-  auto w = test::world();
   const int64_t rows = 2 * p;
-  torch::manual_seed(7);
-  models::GPT serial(config(), factory(w->split(w->rank(), 0, "self")));
+  test::ReferenceGPT serial = reference_gpt();
   torch::optim::SGD serial_opt(serial->parameters(), sgd());
   auto ctx = pipeline_context();
   torch::manual_seed(7);
@@ -166,9 +197,8 @@ TEST(PipelineClipping, GlobalNormOverStagesEqualsSerial) {
     EXPECT_GT(norm, kMax) << "the test must clip";
     opt.step();
   }
-  const auto named = local_named(pipe);
-  std::map<std::string, at::Tensor> reference;
-  for (const auto& q : serial->named_parameters()) reference[q.key()] = q.value();
+  const auto named = local_named(pipe, gpt);
+  const std::map<std::string, at::Tensor> reference = serial->full_state();
   for (const auto& [name, param] : named)
     EXPECT_LE(test::rel_error(param.detach(), reference.at(name)), kTolerance) << name;
 }
@@ -228,7 +258,6 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
   constexpr int kMicro = 3;
   const int64_t local_rows = 2 * kMicro, rows = local_rows * data->size();
   const SerialRun serial = serial_run(rows);
-  auto w = world->split(world->rank(), 0, "self");
   for (const char* spec : {"ddp", "zero2", "{R,P(2),S}"}) {
     SCOPED_TRACE(spec);
     torch::manual_seed(7);
@@ -260,11 +289,10 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
       }
       EXPECT_GT(compared, 0);
     };
-    // The serial GPT's full state after one step, for the gradient check.
+    // The serial reference's full state after one step, for the gradient check.
     std::map<std::string, at::Tensor> after_first;
     {
-      torch::manual_seed(7);
-      models::GPT one(config(), factory(w));
+      test::ReferenceGPT one = reference_gpt();
       torch::optim::SGD o(one->parameters(), sgd());
       one->loss(one->forward(ids(rows, 10)), ids(rows, 20)).backward();
       o.step();
@@ -284,8 +312,7 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
     }
     std::map<std::string, at::Tensor> serial_full;
     {
-      torch::manual_seed(7);
-      models::GPT again(config(), factory(w));
+      test::ReferenceGPT again = reference_gpt();
       torch::optim::SGD o(again->parameters(), sgd());
       for (int step = 0; step < kSteps; ++step) {
         o.zero_grad();

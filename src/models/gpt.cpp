@@ -1,11 +1,13 @@
 #include "tessera/models/gpt.h"
 
 #include "tessera/nn/activation_checkpoint.h"
+#include "tessera/nn/init.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -36,26 +38,19 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 class GPTBlockImpl : public torch::nn::Module {
  public:
   GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f)
-      : heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads), checkpoint_(c.checkpoint_activations) {
+      : f_(f), heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads), checkpoint_(c.checkpoint_activations) {
     TORCH_CHECK(c.hidden % c.heads == 0, "GPT hidden size ", c.hidden, " is not divisible by heads ", c.heads);
     ln_1 = f.layer_norm(c.hidden);
     c_attn = f.linear(c.hidden, 3 * c.hidden, nn::LinearRole::kColumn, true);
-    attn_drop = f.dropout(c.dropout, nn::DropoutSite::kSharded);
+    core_attention = f.core_attention(c.heads, head_dim_, c.dropout);
     attn_proj = f.linear(c.hidden, c.hidden, nn::LinearRole::kRow, true);
     resid_drop_1 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
     ln_2 = f.layer_norm(c.hidden);
-    c_fc = f.linear(c.hidden, 4 * c.hidden, nn::LinearRole::kColumn, true);
-    mlp_proj = f.linear(4 * c.hidden, c.hidden, nn::LinearRole::kRow, true);
+    mlp = f.mlp(c.hidden, 4 * c.hidden);
     resid_drop_2 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
-    const std::pair<const char*, torch::nn::AnyModule*> children[] = {{"ln_1", &ln_1},
-                                                                      {"c_attn", &c_attn},
-                                                                      {"attn_drop", &attn_drop},
-                                                                      {"attn_proj", &attn_proj},
-                                                                      {"resid_drop_1", &resid_drop_1},
-                                                                      {"ln_2", &ln_2},
-                                                                      {"c_fc", &c_fc},
-                                                                      {"mlp_proj", &mlp_proj},
-                                                                      {"resid_drop_2", &resid_drop_2}};
+    const std::pair<const char*, torch::nn::AnyModule*> children[] = {
+        {"ln_1", &ln_1}, {"c_attn", &c_attn}, {"core_attention", &core_attention}, {"attn_proj", &attn_proj},
+        {"resid_drop_1", &resid_drop_1}, {"ln_2", &ln_2}, {"mlp", &mlp}, {"resid_drop_2", &resid_drop_2}};
     for (const auto& child : children) register_module(child.first, child.second->ptr());
   }
 
@@ -66,12 +61,12 @@ class GPTBlockImpl : public torch::nn::Module {
         *this, [this](const at::Tensor& in) { return body(in); }, x);
   }
 
-  torch::nn::AnyModule ln_1, c_attn, attn_drop, attn_proj, resid_drop_1, ln_2, c_fc, mlp_proj, resid_drop_2;
+  torch::nn::AnyModule ln_1, c_attn, core_attention, attn_proj, resid_drop_1, ln_2, mlp, resid_drop_2;
 
  private:
   at::Tensor body(const at::Tensor& x) {
     at::Tensor h = x + resid_drop_1.forward(attn_proj.forward(attention(ln_1.forward(x))));
-    return h + resid_drop_2.forward(mlp_proj.forward(at::gelu(c_fc.forward(ln_2.forward(h)))));
+    return h + resid_drop_2.forward(mlp.forward(ln_2.forward(h)));
   }
 
   // [b, s, local heads · 3 · head_dim] (rows grouped per head) -> [b, s, local heads · head_dim].
@@ -79,14 +74,11 @@ class GPTBlockImpl : public torch::nn::Module {
     at::Tensor qkv = c_attn.forward(x);
     const int64_t b = qkv.size(0), s = qkv.size(1);
     qkv = qkv.view({b, s, heads_, 3, head_dim_}).permute({3, 0, 2, 1, 4});  // [3, b, h, s, d]
-    at::Tensor q = qkv[0], k = qkv[1], v = qkv[2];
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-    at::Tensor causal = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-    at::Tensor probs = attn_drop.forward(at::softmax(scores, -1));
-    return at::matmul(probs, v).permute({0, 2, 1, 3}).reshape({b, s, heads_ * head_dim_});
+    at::Tensor out = core_attention.forward(qkv[0], qkv[1], qkv[2], f_.attention_positions(s));
+    return out.permute({0, 2, 1, 3}).reshape({b, s, heads_ * head_dim_});
   }
 
+  nn::LayerFactory& f_;
   int64_t heads_;
   int64_t head_dim_;
   bool checkpoint_;
@@ -164,19 +156,22 @@ GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> fact
 }
 
 void GPTImpl::reset_parameters() {
-  at::NoGradGuard no_grad;
+  // Note [Layout-independent initialization]: one seed from the default
+  // generator, each rank draws the blocks of its own region only.
+  const uint64_t seed = nn::draw_seed();
   const double std = 0.02, proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.layers));
-  std::map<std::string, at::Tensor> state;
-  for (auto& n : named_layers()) {
-    // Shapes come from the current full weights; values are drawn anew.
-    auto full = factory_->full_weights(*n.layer);
-    const bool norm = n.prefix.find("ln_") != std::string::npos;
-    const bool proj = n.prefix.find("c_proj") != std::string::npos;
-    at::Tensor w = norm ? at::ones_like(full.first) : at::empty_like(full.first).normal_(0.0, proj ? proj_std : std);
-    state[n.prefix + ".weight"] = w;
-    if (n.has_bias) state[n.prefix + ".bias"] = at::zeros_like(full.second);
+  at::NoGradGuard no_grad;
+  for (const auto& [name, p] : placements()) {
+    const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    if (bias) {
+      p.param.detach().zero_();
+    } else if (name.find("ln_") != std::string::npos) {
+      p.param.detach().fill_(1.0);
+    } else {
+      const bool proj = name.find("c_proj") != std::string::npos;
+      nn::init_blockwise(p, seed, name, nn::normal_draw(0.0, proj ? proj_std : std));
+    }
   }
-  load_full_state(state);
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& ids) {
@@ -198,54 +193,42 @@ at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) {
   return factory_->loss(logits, targets, config_.vocab);
 }
 
-void GPTImpl::reduce_partial_gradients() { nn::reduce_partial_gradients(partial_gradients()); }
-nn::PartialGradients GPTImpl::partial_gradients() { return factory_->partial_gradients(*this); }
-
-std::vector<GPTImpl::Named> GPTImpl::named_layers() {
-  std::vector<Named> out = {{"wte", &wte_, false}, {"wpe", &wpe_, false}};
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    GPTBlockImpl& b = *blocks_[i];
-    const std::string p = "h." + std::to_string(i) + ".";
-    out.push_back({p + "ln_1", &b.ln_1, true});
-    out.push_back({p + "attn.c_attn", &b.c_attn, true});
-    out.push_back({p + "attn.c_proj", &b.attn_proj, true});
-    out.push_back({p + "ln_2", &b.ln_2, true});
-    out.push_back({p + "mlp.c_fc", &b.c_fc, true});
-    out.push_back({p + "mlp.c_proj", &b.mlp_proj, true});
-  }
-  out.push_back({"ln_f", &ln_f_, true});
-  if (!config_.tied) out.push_back({"lm_head", &lm_head_, false});
-  return out;
-}
+void GPTImpl::reduce_partial_gradients() { nn::reduce_partial_gradients(placements()); }
 
 void GPTImpl::load_full_state(const std::map<std::string, at::Tensor>& state) {
-  auto get = [&](const std::string& name) {
+  for (const auto& [name, p] : placements()) {
     auto it = state.find(name);
     TORCH_CHECK(it != state.end(), "GPT::load_full_state: '", name, "' is missing");
-    return it->second;
-  };
-  for (auto& n : named_layers()) {
-    factory_->load_full(*n.layer, get(n.prefix + ".weight"), n.has_bias ? get(n.prefix + ".bias") : at::Tensor());
+    TORCH_CHECK(it->second.sizes().vec() == p.full_shape, "GPT::load_full_state: '", name, "' has shape ",
+                it->second.sizes(), ", this model's is ", c10::IntArrayRef(p.full_shape));
+    nn::load_full(p, it->second);
   }
 }
 
 std::map<std::string, at::Tensor> GPTImpl::full_state(bool gradients) {
   std::map<std::string, at::Tensor> state;
-  for (auto& n : named_layers()) {
-    auto full = factory_->full_weights(*n.layer, gradients);
-    state[n.prefix + ".weight"] = full.first;
-    if (n.has_bias) state[n.prefix + ".bias"] = full.second;
-  }
+  for (const auto& [name, p] : placements()) state[name] = nn::full_value(p, gradients);
   return state;
 }
 
-std::vector<std::pair<std::string, nn::ParamPlacement>> GPTImpl::placements() {
-  std::vector<std::pair<std::string, nn::ParamPlacement>> out;
-  for (auto& n : named_layers()) {
-    auto [weight, bias] = factory_->placements(*n.layer);
-    out.emplace_back(n.prefix + ".weight", std::move(weight));
-    if (n.has_bias) out.emplace_back(n.prefix + ".bias", std::move(bias));
-  }
+namespace {
+
+// Module names -> GPT-2's: "h3.c_attn.weight" -> "h.3.attn.c_attn.weight"
+// (Note [GPT full weights]).
+std::string gpt2_name(const std::string& name) {
+  if (name.size() < 2 || name[0] != 'h' || !std::isdigit(static_cast<unsigned char>(name[1]))) return name;
+  const auto dot = name.find('.');
+  std::string rest = name.substr(dot + 1);
+  if (rest.rfind("c_attn.", 0) == 0) rest = "attn." + rest;
+  if (rest.rfind("attn_proj.", 0) == 0) rest = "attn.c_proj." + rest.substr(10);
+  return "h." + name.substr(1, dot - 1) + "." + rest;
+}
+
+}  // namespace
+
+nn::NamedPlacements GPTImpl::placements() {
+  nn::NamedPlacements out = factory_->placements(*this);
+  for (auto& entry : out) entry.first = gpt2_name(entry.first);
   return out;
 }
 

@@ -2,10 +2,13 @@
 
 #include "linear_init.h"
 #include "tessera/comm/functional.h"
+#include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+
+#include <cmath>
 
 namespace tessera {
 namespace nn {
@@ -31,6 +34,12 @@ void ColumnParallelLinearImpl::reset() {
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
+  if (options.init_seed()) {
+    // The distributions of torch::nn::Linear, drawn blockwise.
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    for (const auto& [name, p] : local_placements()) init_blockwise(p, *options.init_seed(), name, uniform_draw(-bound, bound));
+    return;
+  }
   auto full = linear_init(options.out_features(), options.in_features(), options.bias());
   load_full(full.first, full.second);
 }
@@ -61,6 +70,13 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
                                                    : comm::copy_to_group(input, group_);
   at::Tensor y = at::linear(x, weight, bias);
   return options.gather_output() ? comm::gather_along_dim(y, -1, group_) : y;
+}
+
+NamedPlacements ColumnParallelLinearImpl::local_placements() {
+  NamedPlacements out;
+  out.emplace_back("weight", sharded_placement(weight, 0, options.out_features(), group_));
+  if (options.bias()) out.emplace_back("bias", sharded_placement(bias, 0, options.out_features(), group_));
+  return out;
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {

@@ -1,6 +1,9 @@
 // The 1D (Megatron) layer factory and its sequence-parallel variant.
 #include "tessera/comm/functional.h"
+#include "tessera/core/hash.h"
+#include "tessera/nn/attention.h"
 #include "tessera/nn/column_parallel_linear.h"
+#include "tessera/nn/init.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/nn/parallel_dropout.h"
 #include "tessera/nn/row_parallel_linear.h"
@@ -16,13 +19,6 @@
 namespace tessera {
 namespace nn {
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 class Factory1D : public LayerFactory {
  public:
@@ -50,18 +46,21 @@ class Factory1D : public LayerFactory {
     check_divisible(heads, group_->size(), "number of attention heads", "heads are split across tensor ranks");
     return heads / group_->size();
   }
+  at::Tensor attention_positions(int64_t tokens) const override {
+    return at::arange(tokens, at::kLong);  // c_attn's output holds the whole sequence
+  }
 
   torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) override {
     if (role == LinearRole::kColumn) {
-      return torch::nn::AnyModule(
-          ColumnParallelLinear(ColumnParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_), group_));
+      return torch::nn::AnyModule(ColumnParallelLinear(
+          ColumnParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_).init_seed(draw_seed()), group_));
     }
-    return torch::nn::AnyModule(
-        RowParallelLinear(RowParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_), group_));
+    return torch::nn::AnyModule(RowParallelLinear(
+        RowParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_).init_seed(draw_seed()), group_));
   }
   torch::nn::AnyModule vocab_embedding(int64_t vocab, int64_t dim) override {
-    return torch::nn::AnyModule(
-        VocabParallelEmbedding(VocabParallelEmbeddingOptions(vocab, dim).sequence_parallel(sp_), group_));
+    return torch::nn::AnyModule(VocabParallelEmbedding(
+        VocabParallelEmbeddingOptions(vocab, dim).sequence_parallel(sp_).init_seed(draw_seed()), group_));
   }
   torch::nn::AnyModule layer_norm(int64_t dim) override {
     return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
@@ -78,47 +77,19 @@ class Factory1D : public LayerFactory {
     return torch::nn::AnyModule(ParallelDropout(ParallelDropoutOptions(p, seed)));
   }
 
-  void load_full(torch::nn::AnyModule& layer, const at::Tensor& weight, const at::Tensor& bias) override {
-    auto module = layer.ptr();
-    if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) return c->load_full(weight, bias);
-    if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) return r->load_full(weight, bias);
-    if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module)) return e->load_full(weight);
-    if (auto n = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module)) {
-      at::NoGradGuard no_grad;
-      n->weight.copy_(weight);
-      n->bias.copy_(bias);
-      return;
-    }
-    if (auto p = std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module)) {
-      at::NoGradGuard no_grad;
-      p->weight.copy_(weight);
-      return;
-    }
-    TORCH_CHECK(false, "the 1D layer factory cannot load full weights into ", module->name());
+  torch::nn::AnyModule core_attention(int64_t /*heads*/, int64_t head_dim, double p) override {
+    return torch::nn::AnyModule(LocalAttention(head_dim, dropout(p, DropoutSite::kSharded)));
+  }
+  torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn) override {
+    auto fc = linear(hidden, ffn, LinearRole::kColumn, true);
+    return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, true)));
   }
 
-  std::pair<at::Tensor, at::Tensor> full_weights(torch::nn::AnyModule& layer, bool gradients) override {
-    auto module = layer.ptr();
-    auto pick = [gradients](const at::Tensor& p) {
-      if (!p.defined()) return at::Tensor();
-      return gradients ? (p.grad().defined() ? p.grad() : at::zeros_like(p)) : p.detach();
-    };
-    if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) {
-      return {unshard(pick(c->weight), 0, *group_),
-              c->bias.defined() ? unshard(pick(c->bias), 0, *group_) : at::Tensor()};
-    }
-    if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
-      return {unshard(pick(r->weight), 1, *group_), r->bias.defined() ? pick(r->bias).clone() : at::Tensor()};
-    }
-    if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module)) {
-      return {unshard(pick(e->weight), 0, *group_).narrow(0, 0, e->options.num_embeddings()), at::Tensor()};
-    }
-    if (auto n = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module)) {
-      return {pick(n->weight).clone(), pick(n->bias).clone()};
-    }
-    if (auto p = std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module))
-      return {pick(p->weight).clone(), at::Tensor()};
-    TORCH_CHECK(false, "the 1D layer factory cannot give full weights of ", module->name());
+  ParamPlacement replicated_param(const at::Tensor& param) const override {
+    // In the sequence-parallel variant each rank feeds these parameters its
+    // sequence shard only: their gradients are partial over the group.
+    ParamPlacement p = replicated_placement(param);
+    return sp_ ? p.partial("tensor", group_) : p.replicate("tensor", group_);
   }
 
   at::Tensor lm_logits(const at::Tensor& hidden, torch::nn::AnyModule& vocab_embedding) override {
@@ -132,57 +103,6 @@ class Factory1D : public LayerFactory {
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) override {
     return vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), group_,
                                         VocabParallelCrossEntropyOptions().vocab_size(vocab));
-  }
-
-  PartialGradients partial_gradients(torch::nn::Module& model) override {
-    PartialGradients out{{}, group_};
-    if (!sp_) return out;
-    // Parameters replicated over the group but fed by this rank's sequence
-    // shard only: LayerNorm, position embeddings, row-parallel biases.
-    for (const auto& module : model.modules()) {
-      if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
-        if (r->options.bias()) out.params.push_back(r->bias);
-        continue;
-      }
-      const bool replicated = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module) != nullptr ||
-                              std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module) != nullptr;
-      if (!replicated) continue;
-      for (auto& p : module->parameters(/*recurse=*/false)) out.params.push_back(p);
-    }
-    return out;
-  }
-
-  std::pair<ParamPlacement, ParamPlacement> placements(torch::nn::AnyModule& layer) override {
-    auto module = layer.ptr();
-    auto maybe = [](const at::Tensor& p) { return p.defined() ? replicated_placement(p) : ParamPlacement(); };
-    if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) {
-      ParamPlacement bias;
-      if (c->bias.defined()) bias = sharded_placement(c->bias, 0, c->options.out_features(), *group_);
-      return {sharded_placement(c->weight, 0, c->options.out_features(), *group_), bias};
-    }
-    if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module))
-      return {sharded_placement(r->weight, 1, r->options.in_features(), *group_), maybe(r->bias)};
-    if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module))
-      return {sharded_placement(e->weight, 0, e->options.num_embeddings(), *group_), ParamPlacement()};
-    if (auto n = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(module)) return {maybe(n->weight), maybe(n->bias)};
-    if (auto p = std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(module))
-      return {maybe(p->weight), ParamPlacement()};
-    TORCH_CHECK(false, "the 1D layer factory cannot place the weights of ", module->name());
-  }
-
-  std::vector<at::Tensor> sharded_parameters(torch::nn::Module& model) override {
-    std::vector<at::Tensor> out;
-    for (const auto& module : model.modules()) {
-      if (auto c = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(module)) {
-        out.push_back(c->weight);
-        if (c->options.bias()) out.push_back(c->bias);
-      } else if (auto r = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
-        out.push_back(r->weight);  // its bias is replicated
-      } else if (auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(module)) {
-        out.push_back(e->weight);
-      }
-    }
-    return out;
   }
 
  private:

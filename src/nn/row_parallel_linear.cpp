@@ -2,11 +2,13 @@
 
 #include "linear_init.h"
 #include "tessera/comm/functional.h"
-#include "tessera/nn/partial_gradients.h"
+#include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+
+#include <cmath>
 
 namespace tessera {
 namespace nn {
@@ -32,6 +34,12 @@ void RowParallelLinearImpl::reset() {
 }
 
 void RowParallelLinearImpl::reset_parameters() {
+  if (options.init_seed()) {
+    // The distributions of torch::nn::Linear, drawn blockwise.
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    for (const auto& [name, p] : local_placements()) init_blockwise(p, *options.init_seed(), name, uniform_draw(-bound, bound));
+    return;
+  }
   auto full = linear_init(options.out_features(), options.in_features(), options.bias());
   load_full(full.first, full.second);
 }
@@ -64,8 +72,26 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 }
 
 void RowParallelLinearImpl::reduce_partial_gradients() {
-  if (!options.sequence_parallel() || !options.bias()) return;
-  nn::reduce_partial_gradients(PartialGradients{{bias}, group_});
+  if (!options.sequence_parallel() || !options.bias() || !bias.grad().defined()) return;
+  at::NoGradGuard no_grad;
+  group_->all_reduce(bias.mutable_grad());
+}
+
+NamedPlacements RowParallelLinearImpl::local_placements() {
+  NamedPlacements out;
+  out.emplace_back("weight", sharded_placement(weight, 1, options.in_features(), group_));
+  if (options.bias()) {
+    // Added after the reduction: replicated, but fed by this rank's sequence
+    // shard only in the sequence-parallel variant.
+    ParamPlacement b = replicated_placement(bias);
+    if (options.sequence_parallel()) {
+      b.partial("tensor", group_);
+    } else {
+      b.replicate("tensor", group_);
+    }
+    out.emplace_back("bias", std::move(b));
+  }
+  return out;
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {

@@ -28,25 +28,5 @@ at::Tensor unshard(const at::Tensor& shard, int64_t dim, const comm::Communicato
   return comm::raw::all_gather(shard.detach(), dim, group);
 }
 
-ParamPlacement replicated_placement(const at::Tensor& param) {
-  ParamPlacement p;
-  p.param = param;
-  p.full_shape = param.sizes().vec();
-  return p;
-}
-
-ParamPlacement sharded_placement(const at::Tensor& param, int64_t dim, int64_t full_size,
-                                 const comm::Communicator& group) {
-  ParamPlacement p = replicated_placement(param);
-  if (group.size() == 1 && param.size(dim) == full_size) return p;
-  const int64_t rows = param.size(dim);
-  p.dim = dim;
-  p.full_shape[dim] = full_size;
-  p.offset = std::min(full_size, rows * group.rank());
-  p.length = std::min(rows, full_size - p.offset);
-  TORCH_INTERNAL_ASSERT(p.length == rows || dim == 0, "padding rows are only supported along dim 0");
-  return p;
-}
-
 }  // namespace nn
 }  // namespace tessera

@@ -1,6 +1,7 @@
 #include "tessera/nn/vocab_parallel_embedding.h"
 
 #include "tessera/comm/functional.h"
+#include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
@@ -33,6 +34,10 @@ void VocabParallelEmbeddingImpl::reset() {
 }
 
 void VocabParallelEmbeddingImpl::reset_parameters() {
+  if (options.init_seed()) {
+    init_blockwise(local_placements().front().second, *options.init_seed(), "weight", normal_draw(0.0, 1.0));
+    return;
+  }
   // Only the V real rows are drawn, so the random stream (and thus the table)
   // is exactly torch::nn::Embedding(V, D)'s; padded rows are zero.
   at::Tensor full = at::empty({options.num_embeddings(), options.embedding_dim()}, weight.options());
@@ -84,6 +89,10 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   }
   return options.sequence_parallel() ? comm::reduce_scatter_along_dim(partial, options.sequence_dim(), group_)
                                      : comm::reduce_from_group(partial, group_);
+}
+
+NamedPlacements VocabParallelEmbeddingImpl::local_placements() {
+  return {{"weight", sharded_placement(weight, 0, options.num_embeddings(), group_)}};
 }
 
 void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {

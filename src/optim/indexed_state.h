@@ -1,6 +1,6 @@
 #pragma once
 // Per-parameter optimizer state found by the parameter's address (LibTorch's
-// own map, whose key type differs between 1.13 and 2.x: LIBTORCH_NOTES 1) and
+// own map, whose key type differs between 1.13 and 2.x: docs/latest-libtorch.md, difference 1) and
 // saved by the parameter's position in the param groups, so a checkpoint
 // does not depend on addresses or on the LibTorch version.
 #include "tessera/parallel/whole_norms.h"

@@ -139,8 +139,8 @@ CommTask FlatBucket::reduce_grads() {
   const int g = layout_.degrees().grads;
   at::Tensor out = g == 1 ? full_grad_ : grad_shard_;
   CommTask task = layout_.reduce(full_grad_, out, g);
-  if (partial_group_ && partial_group_->size() > 1) {
-    comm::CommunicatorPtr group = partial_group_;
+  for (const auto& group : partial_groups_) {
+    if (group->size() == 1) continue;
     task.then([group, out]() mutable {
       comm::AllReduceOptions opts;
       opts.async = true;

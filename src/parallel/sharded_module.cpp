@@ -43,7 +43,7 @@ struct ShardState {
   bool callback_queued = false;
   bool reductions_pending = false;
   // Grad accumulators must be kept alive for their hooks to fire; a
-  // shared_ptr up to LibTorch 2.11, an intrusive_ptr after (LIBTORCH_NOTES 7).
+  // shared_ptr up to LibTorch 2.11, an intrusive_ptr after (docs/latest-libtorch.md, difference 7).
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))> keep_alive;
 
   void gather_unit(size_t unit, bool wait) {
@@ -265,7 +265,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   auto same_kind = [](const ParamSlot& a, const ParamSlot& b) {
     return a.param.scalar_type() == b.param.scalar_type() && a.param.device() == b.param.device();
   };
-  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes, comm::CommunicatorPtr partial_group) {
+  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes,
+                               const std::vector<comm::CommunicatorPtr>& partial_groups) {
     std::vector<size_t> made;
     std::reverse(slots.begin(), slots.end());
     std::vector<ParamSlot> current;
@@ -275,7 +276,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       made.push_back(s.buckets.size());
       s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layout, materialize,
                                                        options_.offload_params(), s.counter));
-      if (partial_group) s.buckets.back()->set_partial_group(partial_group);
+      s.buckets.back()->set_partial_groups(partial_groups);
       current.clear();
       bytes = 0;
     };
@@ -288,23 +289,35 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     flush();
     return made;
   };
-  std::set<const void*> partial;
-  for (const auto& p : options_.partial_gradients().params) partial.insert(p.unsafeGetTensorImpl());
-  auto is_partial = [&](const ParamSlot& slot) { return partial.count(slot.param.unsafeGetTensorImpl()) > 0; };
-  // Partial-gradient parameters get buckets of their own (the same on every
-  // rank of their group, so the chunks summed over it line up).
+  // Gradient groups per parameter: parameters whose gradients are partial
+  // over the same groups share buckets (the same on every rank of those
+  // groups, so the chunks summed over them line up).
+  std::map<const void*, std::vector<comm::CommunicatorPtr>> partial;
+  for (const auto& [name, p] : options_.placements()) {
+    TORCH_CHECK(!p.replica_group || p.replica_group.get() == group_.get() || p.replica_group->size() == group_->size(),
+                "ShardedModule: parameter '", name, "' names a replica group of ", p.replica_group->size(),
+                " ranks other than the wrapper's group of ", group_->size(),
+                "; reducing over several replica groups (expert parallelism) is not supported yet");
+    auto groups = p.gradient_groups();
+    if (!groups.empty()) partial[p.param.unsafeGetTensorImpl()] = std::move(groups);
+  }
+  auto groups_of = [&](const ParamSlot& slot) {
+    auto it = partial.find(slot.param.unsafeGetTensorImpl());
+    return it == partial.end() ? std::vector<comm::CommunicatorPtr>{} : it->second;
+  };
   auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
-    std::vector<ParamSlot> own;
-    for (auto it = slots.begin(); it != slots.end();) {
-      if (is_partial(*it)) {
-        own.push_back(std::move(*it));
-        it = slots.erase(it);
-      } else {
-        ++it;
-      }
+    // Sets of gradient groups in order of first appearance (identical on every rank).
+    std::vector<std::pair<std::vector<comm::CommunicatorPtr>, std::vector<ParamSlot>>> sets;
+    for (auto& slot : slots) {
+      auto groups = groups_of(slot);
+      auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == groups; });
+      if (it == sets.end()) it = sets.insert(sets.end(), {groups, {}});
+      it->second.push_back(std::move(slot));
     }
-    std::vector<size_t> made = add_plain_buckets(std::move(slots), cap_bytes, nullptr);
-    for (size_t b : add_plain_buckets(std::move(own), cap_bytes, options_.partial_gradients().group)) made.push_back(b);
+    std::stable_partition(sets.begin(), sets.end(), [](const auto& e) { return e.first.empty(); });
+    std::vector<size_t> made;
+    for (auto& [groups, members] : sets)
+      for (size_t b : add_plain_buckets(std::move(members), cap_bytes, groups)) made.push_back(b);
     return made;
   };
   if (materialize) {

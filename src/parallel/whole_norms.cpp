@@ -3,27 +3,38 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
 namespace tessera {
 namespace parallel {
 
-TensorParallelNorms::TensorParallelNorms(std::vector<at::Tensor> sharded, comm::CommunicatorPtr group)
-    : sharded_(std::move(sharded)), group_(std::move(group)) {
-  TORCH_CHECK(group_ != nullptr, "TensorParallelNorms needs the tensor group");
+PlacementNorms::PlacementNorms(const nn::NamedPlacements& placements) {
+  for (const auto& [name, p] : placements) {
+    std::vector<size_t> mine;
+    for (const auto& g : p.shard_groups()) {
+      auto it = std::find(groups_.begin(), groups_.end(), g);
+      if (it == groups_.end()) it = groups_.insert(groups_.end(), g);
+      mine.push_back(static_cast<size_t>(it - groups_.begin()));
+    }
+    if (!mine.empty()) groups_of_[p.param.unsafeGetTensorImpl()] = std::move(mine);
+  }
 }
 
-void TensorParallelNorms::reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const {
-  if (group_->size() == 1) return;
-  std::set<const c10::TensorImpl*> sharded;
-  for (const auto& p : sharded_) sharded.insert(p.unsafeGetTensorImpl());
-  at::Tensor mask = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
-  for (size_t i = 0; i < params.size(); ++i)
-    if (sharded.count(params[i].unsafeGetTensorImpl())) mask[static_cast<int64_t>(i)] = 1.0;
-  at::Tensor summed = squares * mask;
-  group_->all_reduce(summed);
-  squares = summed + squares * (1.0 - mask);
+void PlacementNorms::reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const {
+  // Summing over each shard group in turn sums over their product.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    at::Tensor mask = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto it = groups_of_.find(params[i].unsafeGetTensorImpl());
+      if (it != groups_of_.end() && std::count(it->second.begin(), it->second.end(), g))
+        mask[static_cast<int64_t>(i)] = 1.0;
+    }
+    at::Tensor summed = squares * mask;
+    groups_[g]->all_reduce(summed);
+    squares = summed + squares * (1.0 - mask);
+  }
 }
 
 double WholeNorms::total(const std::vector<at::Tensor>& params, at::Tensor squares) const {

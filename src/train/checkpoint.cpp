@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,21 +21,25 @@ using Json = nlohmann::json;
 namespace fs = std::filesystem;
 
 Json describe(const TensorPiece& p) {
-  return {{"name", p.name},         {"shape", p.full_shape}, {"dim", p.dim},
-          {"offset", p.offset},     {"length", p.length},    {"flat", {p.flat_begin, p.flat_end}},
+  // The region spelled out: the whole tensor is offset 0, length full_shape.
+  const bool whole = p.offset.empty();
+  return {{"name", p.name},
+          {"shape", p.full_shape},
+          {"offset", whole ? std::vector<int64_t>(p.full_shape.size(), 0) : p.offset},
+          {"length", whole ? p.full_shape : p.length},
+          {"flat", {p.flat_begin, p.flat_end}},
           {"numel", p.data.numel()}};
 }
 
 // Identical pieces (the same elements of the same tensor) have equal keys.
 std::string piece_key(const Json& d) {
-  return fmt::format("{}|{}|{}|{}|{}|{}", d["name"].get<std::string>(), d["dim"].get<int64_t>(),
-                     d["offset"].get<int64_t>(), d["length"].get<int64_t>(), d["flat"][0].get<int64_t>(),
-                     d["flat"][1].get<int64_t>());
+  return fmt::format("{}|{}|{}|{}|{}", d["name"].get<std::string>(), d["offset"].dump(), d["length"].dump(),
+                     d["flat"][0].get<int64_t>(), d["flat"][1].get<int64_t>());
 }
 
-int64_t region_numel(const std::vector<int64_t>& shape, int64_t dim, int64_t length) {
+int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
-  for (size_t i = 0; i < shape.size(); ++i) n *= static_cast<int64_t>(i) == dim ? length : shape[i];
+  for (int64_t d : shape) n *= d;
   return n;
 }
 
@@ -76,7 +81,10 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
 
   Json mine = Json::array();
   for (const auto& p : pieces) {
-    const int64_t region = region_numel(p.full_shape, p.dim, p.length);
+    TORCH_CHECK(p.offset.size() == p.length.size() && (p.offset.empty() || p.offset.size() == p.full_shape.size()),
+                "save_checkpoint: piece of '", p.name, "' has a region of ", p.offset.size(), " offsets and ",
+                p.length.size(), " lengths for a tensor of ", p.full_shape.size(), " dimensions");
+    const int64_t region = numel_of(p.offset.empty() ? p.full_shape : p.length);
     const int64_t expect = p.flat_end < 0 ? region : p.flat_end - p.flat_begin;
     TORCH_CHECK(p.data.defined() && p.data.numel() == expect, "save_checkpoint: piece of '", p.name, "' holds ",
                 p.data.defined() ? p.data.numel() : 0, " elements where its description says ", expect);
@@ -113,7 +121,6 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     if (!tensors.contains(name)) tensors[name] = {{"shape", shape}, {"pieces", Json::array()}};
     tensors[name]["pieces"].push_back({{"file", file_name(writer)},
                                        {"key", key},
-                                       {"dim", d["dim"]},
                                        {"offset", d["offset"]},
                                        {"length", d["length"]},
                                        {"flat", d["flat"]}});
@@ -140,7 +147,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
       const std::string path = partial + "/" + file_name(r);
       if (fs::exists(path)) files[file_name(r)] = fs::file_size(path);
     }
-    Json index = {{"format", "tessera-checkpoint"}, {"version", 1},   {"world_size", world->size()},
+    Json index = {{"format", "tessera-checkpoint"}, {"version", 2},   {"world_size", world->size()},
                   {"metadata", metadata},           {"files", files}, {"tensors", tensors}};
     write_text(partial + "/index.json", index.dump(1));
     std::error_code ec;
@@ -177,6 +184,9 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   }
   TORCH_CHECK(index.value("format", "") == "tessera-checkpoint", "checkpoint ", dir_,
               ": index.json is not a tessera checkpoint index");
+  const int version = index.value("version", 0);
+  TORCH_CHECK(version == 1 || version == 2, "checkpoint ", dir_, ": index.json has format version ", version,
+              "; this tessera reads versions 1 and 2 (a newer tessera wrote it: load it with that one)");
   metadata_ = index["metadata"].dump();
   world_size_ = index["world_size"].get<int>();
   for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
@@ -189,10 +199,25 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
     Entry e;
     e.shape = it.value()["shape"].get<std::vector<int64_t>>();
-    for (const auto& p : it.value()["pieces"])
-      e.pieces.push_back(Piece{p["file"].get<std::string>(), p["key"].get<std::string>(), p["dim"].get<int64_t>(),
-                               p["offset"].get<int64_t>(), p["length"].get<int64_t>(), p["flat"][0].get<int64_t>(),
-                               p["flat"][1].get<int64_t>()});
+    for (const auto& p : it.value()["pieces"]) {
+      Piece piece{p["file"].get<std::string>(), p["key"].get<std::string>(), {}, {}, p["flat"][0].get<int64_t>(),
+                  p["flat"][1].get<int64_t>()};
+      if (version >= 2) {
+        piece.offset = p["offset"].get<std::vector<int64_t>>();
+        piece.length = p["length"].get<std::vector<int64_t>>();
+      } else {  // one sharded dimension, or dim -1 for the whole tensor
+        piece.offset.assign(e.shape.size(), 0);
+        piece.length = e.shape;
+        const auto dim = p["dim"].get<int64_t>();
+        if (dim >= 0) {
+          piece.offset.at(dim) = p["offset"].get<int64_t>();
+          piece.length.at(dim) = p["length"].get<int64_t>();
+        }
+      }
+      TORCH_CHECK(piece.offset.size() == e.shape.size() && piece.length.size() == e.shape.size(), "checkpoint ",
+                  dir_, ": a piece of '", it.key(), "' has a region of another rank than its tensor");
+      e.pieces.push_back(std::move(piece));
+    }
     tensors_[it.key()] = std::move(e);
   }
 }
@@ -211,41 +236,73 @@ std::vector<int64_t> CheckpointReader::full_shape(const std::string& name) const
 }
 
 at::Tensor CheckpointReader::full(const std::string& name) const {
+  const auto shape = full_shape(name);
+  return region(name, std::vector<int64_t>(shape.size(), 0), shape);
+}
+
+at::Tensor CheckpointReader::region(const std::string& name, const std::vector<int64_t>& offset,
+                                    const std::vector<int64_t>& length) const {
   auto it = tensors_.find(name);
   TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
   const Entry& e = it->second;
-  auto read = [&](const Piece& p) {
+  const size_t nd = e.shape.size();
+  TORCH_CHECK(offset.size() == nd && length.size() == nd, "checkpoint ", dir_, ": region of '", name, "' needs ", nd,
+              " offsets and lengths");
+  for (size_t d = 0; d < nd; ++d)
+    TORCH_CHECK(offset[d] >= 0 && length[d] >= 0 && offset[d] + length[d] <= e.shape[d], "checkpoint ", dir_,
+                ": region of '", name, "' lies outside its shape ", c10::IntArrayRef(e.shape));
+  at::Tensor out;
+  // Elements of the box filled so far, counted per element to find holes.
+  at::Tensor filled = at::zeros(length, at::kBool);
+  for (const auto& p : e.pieces) {
+    // The overlap of the piece's region with the box, per dimension.
+    std::vector<int64_t> lo(nd), hi(nd);
+    bool overlaps = true;
+    for (size_t d = 0; d < nd; ++d) {
+      lo[d] = std::max(offset[d], p.offset[d]);
+      hi[d] = std::min(offset[d] + length[d], p.offset[d] + p.length[d]);
+      overlaps = overlaps && lo[d] < hi[d];
+    }
+    if (!overlaps && nd > 0) continue;
+    // The rows (dimension 0 of the piece's region) its flat range touches.
+    const int64_t region_numel = numel_of(p.length);
+    const int64_t row = nd == 0 ? 1 : std::max<int64_t>(1, region_numel / std::max<int64_t>(p.length[0], 1));
+    const int64_t begin = p.flat_end < 0 ? 0 : p.flat_begin;
+    const int64_t end = p.flat_end < 0 ? region_numel : p.flat_end;
+    const int64_t r0 = begin / row, r1 = (end + row - 1) / row;
     auto& f = files_[p.file];
     if (!f) f = std::make_unique<SafetensorsFile>(dir_ + "/" + p.file);
-    return f->read(p.key);
-  };
-  // Pieces grouped by region; each region filled flat, then placed.
-  std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<const Piece*>> regions;
-  for (const auto& p : e.pieces) regions[{p.dim, p.offset, p.length}].push_back(&p);
-  at::Tensor out;
-  int64_t covered = 0, total = 1;
-  for (int64_t d : e.shape) total *= d;
-  for (const auto& [where, list] : regions) {
-    const auto [dim, offset, length] = where;
-    std::vector<int64_t> shape = e.shape;
-    if (dim >= 0) shape[dim] = length;
-    at::Tensor region;
-    int64_t filled = 0;
-    for (const Piece* p : list) {
-      at::Tensor data = read(*p).view({-1});
-      if (!out.defined()) out = at::zeros(e.shape, data.options());
-      if (!region.defined()) region = at::zeros(shape, data.options());
-      const int64_t begin = p->flat_end < 0 ? 0 : p->flat_begin;
-      region.view({-1}).narrow(0, begin, data.numel()).copy_(data);
-      filled += data.numel();
+    const at::Tensor data = f->read(p.key).view({-1});
+    std::vector<int64_t> rows_shape = p.length;
+    if (nd > 0) rows_shape[0] = r1 - r0;
+    at::Tensor rows = at::zeros(rows_shape, data.options());
+    at::Tensor mask = at::zeros(rows_shape, at::kBool);
+    rows.view({-1}).narrow(0, begin - r0 * row, data.numel()).copy_(data);
+    mask.view({-1}).narrow(0, begin - r0 * row, data.numel()).fill_(true);
+    if (!out.defined()) out = at::zeros(length, data.options());
+    // Narrow both sides to the overlap (piece rows start at region row r0).
+    at::Tensor src = rows, src_mask = mask, dst = out, dst_mask = filled;
+    bool empty = false;
+    for (size_t d = 0; d < nd; ++d) {
+      const auto dim = static_cast<int64_t>(d);
+      const int64_t base = p.offset[d] + (d == 0 ? r0 : 0);
+      const int64_t a = std::max(lo[d], base), b = std::min(hi[d], base + rows_shape[d]);
+      if (a >= b) {
+        empty = true;
+        break;
+      }
+      src = src.narrow(dim, a - base, b - a);
+      src_mask = src_mask.narrow(dim, a - base, b - a);
+      dst = dst.narrow(dim, a - offset[d], b - a);
+      dst_mask = dst_mask.narrow(dim, a - offset[d], b - a);
     }
-    TORCH_CHECK(filled == region.numel(), "checkpoint ", dir_, ": tensor '", name, "' has ", region.numel() - filled,
-                " elements that no piece holds");
-    (dim >= 0 ? out.narrow(dim, offset, length) : out).copy_(region);
-    covered += region.numel();
+    if (empty) continue;
+    dst.copy_(at::where(src_mask, src, dst));
+    dst_mask.logical_or_(src_mask);
   }
-  TORCH_CHECK(out.defined() && covered == total, "checkpoint ", dir_, ": tensor '", name, "' has ", total - covered,
-              " elements that no piece holds");
+  const int64_t holes = filled.numel() - filled.sum().item<int64_t>();
+  TORCH_CHECK(out.defined() && holes == 0, "checkpoint ", dir_, ": tensor '", name, "' has ",
+              out.defined() ? holes : filled.numel(), " elements that no piece holds");
   return out;
 }
 

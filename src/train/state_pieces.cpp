@@ -19,22 +19,17 @@ PlacementMap by_param(const Placements& placements) {
   return out;
 }
 
-// The elements of a parameter that belong to the full tensor: all, or the
-// flat prefix before padding rows (dim 0).
-int64_t valid_numel(const nn::ParamPlacement& p) {
-  if (p.dim < 0 || p.param.size(p.dim) == p.length) return p.param.numel();
-  TORCH_INTERNAL_ASSERT(p.dim == 0);
-  return p.length * (p.param.numel() / p.param.size(0));
-}
+int64_t valid_numel(const nn::ParamPlacement& p) { return p.valid_numel(); }
 
 TensorPiece piece_of(const std::string& name, const nn::ParamPlacement& p, int64_t begin, int64_t end,
                      const at::Tensor& data) {
   TensorPiece t;
   t.name = name;
   t.full_shape = p.full_shape;
-  t.dim = p.dim;
-  t.offset = p.offset;
-  t.length = p.length;
+  if (!p.whole()) {
+    t.offset = p.offset;
+    t.length = p.length;
+  }
   const bool whole = begin == 0 && end == p.param.numel() && valid_numel(p) == end;
   t.flat_begin = whole ? 0 : begin;
   t.flat_end = whole ? -1 : end;
@@ -78,8 +73,15 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
                            const Placements& placements) {
   const PlacementMap where = by_param(placements);
   at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> cache;  // full tensor, read once
+  // This rank's region of each tensor of the parameter being loaded, read
+  // once (a parameter may have several pieces here); one parameter at a time.
+  std::map<std::string, at::Tensor> cache;
+  const c10::TensorImpl* cached_param = nullptr;
   auto region = [&](const std::string& key, const nn::ParamPlacement& p) {
+    if (cached_param != p.param.unsafeGetTensorImpl()) {
+      cache.clear();
+      cached_param = p.param.unsafeGetTensorImpl();
+    }
     auto it = cache.find(key);
     if (it == cache.end()) {
       TORCH_CHECK(reader.contains(key), "checkpoint ", reader.dir(), " has no '", key,
@@ -87,8 +89,7 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
       const auto shape = reader.full_shape(key);
       TORCH_CHECK(shape == p.full_shape, "checkpoint ", reader.dir(), ": '", key, "' has shape ",
                   c10::IntArrayRef(shape), ", this model's is ", c10::IntArrayRef(p.full_shape));
-      at::Tensor full = reader.full(key);
-      it = cache.emplace(key, p.dim >= 0 ? full.narrow(p.dim, p.offset, p.length).contiguous() : full).first;
+      it = cache.emplace(key, reader.region(key, p.offset, p.length).contiguous()).first;
     }
     return it->second.view({-1});
   };

@@ -75,9 +75,6 @@ TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt) {
   models::GPTImpl* raw = gpt.get();
   m.loss = [raw](const at::Tensor& logits, const at::Tensor& targets) { return raw->loss(logits, targets); };
   m.placements = gpt->placements();
-  m.partial_gradients = gpt->partial_gradients();
-  m.tensor_sharded = gpt->factory()->sharded_parameters(*gpt);
-  m.tensor_group = gpt->factory()->tensor_group();
   m.owner = gpt;
   return m;
 }
@@ -91,11 +88,24 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   TORCH_CHECK(options_.clip_grad_norm() >= 0, "Trainer: clip_grad_norm must be >= 0 (0: off), got ",
               options_.clip_grad_norm());
   options_.lr().validate();
+  // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
+  const auto& config = ctx_->config();
+  TORCH_CHECK(config.sequence() == 1, "Trainer: the context has sequence size ", config.sequence(),
+              ", but the trainer does not carry out sequence parallelism over a sequence group yet (each sequence "
+              "rank would repeat the same work); set sequence size 1");
+  TORCH_CHECK(config.expert() == 1, "Trainer: the context has expert size ", config.expert(),
+              ", but the trainer does not carry out expert parallelism yet; set expert size 1");
+  TORCH_CHECK(config.tensor() == 1 || config.tensor_mode() == context::TensorMode::k1D, "Trainer: tensor mode ",
+              context::tensor_mode_name(config.tensor_mode()),
+              " is not carried out by tessera's layers yet; set tensor mode 1d");
   const int pp = ctx_->has(context::ParallelMode::kPipeline) ? ctx_->size(context::ParallelMode::kPipeline) : 1;
   TORCH_CHECK(pp == 1 || options_.accumulation() == 1,
               "Trainer: with pipeline stages, accumulate through "
               "pipeline micro-batches (PipelineOptions::microbatches), not accumulation (got ",
               options_.accumulation(), ")");
+  TORCH_CHECK(pp == 1 || !options_.loss_scaling(),
+              "Trainer: loss scaling with pipeline stages is not supported yet; train in bf16 (no scaling needed) or "
+              "without pipeline stages");
   if (pp > 1) {
     pipe_ = std::make_unique<parallel::PipelineExecutor>(model_.layers, ctx_, model_.loss, options_.pipeline());
     local_ = std::make_shared<torch::nn::Module>("Stages");
@@ -106,7 +116,7 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   auto module_options = parallel::ShardedModuleOptions()
                             .spec(options_.spec())
                             .bucket_bytes(options_.bucket_bytes())
-                            .partial_gradients(model_.partial_gradients)
+                            .placements(model_.placements)
                             .offload_params(false);
   sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options);
   TORCH_CHECK(pp == 1 || sharded_->degrees().params == 1, "Trainer: sharded parameters (ZeRO-3, spec ",
@@ -123,10 +133,11 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
       named.emplace_back(p.key(), p.value());
   auto inner = make_optimizer(named);
   TORCH_CHECK(inner != nullptr, "Trainer: the optimizer factory returned null");
+  TORCH_CHECK(optimizer_kind(*inner) != "other",
+              "Trainer: the optimizer is none of AdamW, Adam, SGD, LAMB, LARS, whose states checkpoints can save; "
+              "use one of those");
   auto opt_options = parallel::ShardedOptimizerOptions().offload(options_.offload());
-  if (model_.tensor_group && model_.tensor_group->size() > 1)
-    opt_options.whole_norms(
-        std::make_shared<parallel::TensorParallelNorms>(model_.tensor_sharded, model_.tensor_group));
+  if (!model_.placements.empty()) opt_options.whole_norms(std::make_shared<parallel::PlacementNorms>(model_.placements));
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(sharded_, inner, opt_options);
   if (options_.loss_scaling()) scaler_.emplace(ctx_->world(), options_.scaler());
   placements_ = model_.placements.empty() ? named_placements(*model_.layers) : model_.placements;

@@ -62,34 +62,27 @@ class GPTImpl : public torch::nn::Module {
   // Mean cross entropy of the logits against targets [b, s].
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets);
   // After backward: sums gradients that are partial in this mode. Under
-  // ShardedModule pass partial_gradients() to its options instead.
+  // ShardedModule pass placements() to its options instead.
   void reduce_partial_gradients();
-  nn::PartialGradients partial_gradients();
 
   // GPT-2's initialisation: weights and embeddings N(0, 0.02), the residual
   // projections N(0, 0.02 / sqrt(2 · layers)), biases 0, LayerNorm 1 and 0;
-  // drawn full from the default generator and sharded, so that with the same
-  // seed on every rank the model equals the serial one. The constructor calls it.
+  // drawn blockwise from one seed of the default generator (Note
+  // [Layout-independent initialization]): each rank draws only what it holds,
+  // and with the same seed on every rank the model equals the serial one
+  // whatever the layout. The constructor calls it.
   void reset_parameters();
   void load_full_state(const std::map<std::string, at::Tensor>& state);
   // Full parameters (or, with gradients = true, full gradients); collective.
   std::map<std::string, at::Tensor> full_state(bool gradients = false);
-  // Every parameter with its full_state() name and where it sits in the
-  // full tensor (for checkpoints that reshard); local, no communication.
-  std::vector<std::pair<std::string, nn::ParamPlacement>> placements();
+  // Every parameter with its full_state() name and its placement (where it
+  // sits in the full tensor, which groups hold what); local, no communication.
+  nn::NamedPlacements placements();
 
   const GPTConfig& config() const { return config_; }
   const std::shared_ptr<nn::LayerFactory>& factory() const { return factory_; }
 
  private:
-  // Every factory-made layer with the name prefix of its full weights.
-  struct Named {
-    std::string prefix;
-    torch::nn::AnyModule* layer;
-    bool has_bias;
-  };
-  std::vector<Named> named_layers();
-
   GPTConfig config_;
   std::shared_ptr<nn::LayerFactory> factory_;
   torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;

@@ -13,8 +13,10 @@
 // reduce-scatter) and the row layer reduce-scatters its output back to
 // sequence shards instead of all-reducing it.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
@@ -36,9 +38,13 @@ struct ColumnParallelLinearOptions {
   // Input is this rank's sequence shard (Note [1D activation layouts]).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(int64_t, sequence_dim) = 1;  // [batch, sequence, hidden]
+  // Draw the weights blockwise from this seed (Note [Layout-independent
+  // initialization]: no full tensor, the same whatever the layout) instead of
+  // drawing the full tensors as LibTorch's layer does.
+  TORCH_ARG(c10::optional<uint64_t>, init_seed) = c10::nullopt;
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public PlacedModule {
  public:
   ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options, comm::CommunicatorPtr tensor_group);
 
@@ -47,6 +53,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   // sharded: with the same seed on every rank the layer equals the serial one.
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
+  // Where this rank's weight (and bias) sit in the full tensors.
+  NamedPlacements local_placements() override;
   at::Tensor forward(const at::Tensor& input);
 
   // Loads this rank's rows of the full [out, in] weight and [out] bias.

@@ -8,23 +8,28 @@
 // - Activations between blocks are in the mode's "block layout": 1D keeps
 //   them replicated [b, s, h]; its sequence-parallel variant shards the
 //   sequence [b, s/n, h]; 2D will use [b/q, s, h/q], 2.5D [b/(d·q), s, h/q]
-//   (DESIGN.md). scatter_activation / gather_activation convert from / to the
+//   (docs/architecture.md). scatter_activation / gather_activation convert from / to the
 //   full tensor; positions() says which sequence positions this rank holds.
 // - linear(role = kColumn) takes block layout and returns features sharded
 //   the way heads are split (local_heads()); linear(kRow) takes that and
 //   returns block layout. A model never reshapes across the sharded
 //   dimension other than through these.
-// - Layers are returned as torch::nn::AnyModule; their full (unsharded)
-//   weights go in and out through load_full / full_weights, so that a model
-//   can load and give back full weights whatever the mode.
+// - Layers are returned as torch::nn::AnyModule. Every parameter of a layer
+//   has a placement (nn/placement.h): the tensor-parallel layers describe
+//   their own (PlacedModule), the others get replicated_param()'s. Full
+//   weights go in and out through the placements (load_full, full_value), so
+//   a model can load and give back full weights whatever the mode.
+// - Slots: core_attention (q, k, v of the local heads and tokens and the
+//   tokens' positions -> attention output) and mlp (block layout -> block
+//   layout) are where sequence-parallel attention and mixture-of-experts
+//   layers plug in without a change to the model.
 // - lm_logits gives logits on this rank's vocabulary shard; loss takes them
 //   with full targets [b, s].
-// - partial_gradients names the parameters whose gradients are partial over
-//   the tensor group in this mode (sequence-parallel LayerNorm, position
-//   embeddings and row biases).
+// - Factory-made layers are initialized blockwise from seeds drawn from the
+//   default generator (Note [Layout-independent initialization]).
 #include "tessera/comm/communicator.h"
-#include "tessera/nn/partial_gradients.h"
-#include "tessera/nn/shard.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/any.h>
@@ -54,6 +59,9 @@ class LayerFactory {
   // The sequence positions [0, seq_len) this rank's block layout holds.
   virtual at::Tensor positions(int64_t seq_len) const = 0;
   virtual int64_t local_heads(int64_t heads) const = 0;
+  // The sequence positions of the `tokens` tokens that this rank's
+  // attention sees (c_attn's output), for core_attention.
+  virtual at::Tensor attention_positions(int64_t tokens) const = 0;
 
   virtual torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) = 0;
   // Token ids [b, s] (full) -> block layout [.., dim].
@@ -63,27 +71,34 @@ class LayerFactory {
   virtual torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) = 0;
   virtual torch::nn::AnyModule dropout(double p, DropoutSite site) = 0;
 
-  // Full weights of a layer this factory made (bias undefined where none);
-  // with gradients = true the full gradients instead (collective).
-  virtual void load_full(torch::nn::AnyModule& layer, const at::Tensor& weight, const at::Tensor& bias) = 0;
-  virtual std::pair<at::Tensor, at::Tensor> full_weights(torch::nn::AnyModule& layer, bool gradients = false) = 0;
-  // Where this rank's weight and bias of a layer this factory made sit in
-  // the full tensors (the bias placement's param undefined where none).
-  virtual std::pair<ParamPlacement, ParamPlacement> placements(torch::nn::AnyModule& layer) = 0;
+  // Slots. core_attention's forward(q, k, v, positions): q, k, v
+  // [b, local heads, local tokens, head_dim], positions [local tokens] (the
+  // tokens' places in the sequence, for the causal mask) -> [b, local heads,
+  // local tokens, head_dim]. mlp's forward(x): block layout -> block layout,
+  // hidden -> ffn -> hidden with GELU; its parameters are named
+  // "c_fc.*" and "c_proj.*".
+  virtual torch::nn::AnyModule core_attention(int64_t heads, int64_t head_dim, double dropout) = 0;
+  virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn) = 0;
+
+  // The placement of a parameter no layer describes (LayerNorm, position
+  // embeddings): replicated over the tensor group, or partial over it where
+  // each rank sees only its sequence shard.
+  virtual ParamPlacement replicated_param(const at::Tensor& param) const = 0;
+  // Every parameter of `module` (names of named_parameters()) with its placement.
+  NamedPlacements placements(torch::nn::Module& module) const;
 
   // Logits [.., vocab shard] from block-layout hidden states and the
   // vocabulary embedding (tied head) this factory made.
   virtual at::Tensor lm_logits(const at::Tensor& hidden, torch::nn::AnyModule& vocab_embedding) = 0;
   // Mean cross entropy over targets [b, s] (full), ignore_index -100.
   virtual at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) = 0;
-  // The parameters of `model` whose gradients are partial in this mode
-  // (include/tessera/nn/partial_gradients.h); empty params if none.
-  virtual PartialGradients partial_gradients(torch::nn::Module& model) = 0;
-  // The parameters of `model` split over the tensor group (each rank holds
-  // a different part); the others are replicated on every tensor rank.
-  // Whole-parameter norms (LAMB, LARS, clipping) sum the former over the group.
-  virtual std::vector<at::Tensor> sharded_parameters(torch::nn::Module& model) = 0;
 };
+
+// The factory for the context's tensor and sequence modes: 1D (and its
+// sequence-parallel variant) today. Modes whose layers do not exist yet are
+// refused on every rank with the mode and what to use instead.
+std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
+                                                 bool sequence_parallel = false);
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects
 // its sequence-parallel variant. `seed_block` / `seed_sharded` seed dropout

@@ -6,8 +6,10 @@
 // [1D activation layouts] in column_parallel_linear.h). The bias is
 // replicated and added after the reduction.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
@@ -30,15 +32,21 @@ struct RowParallelLinearOptions {
   // Reduce-scatter the output along the sequence instead of all-reducing it.
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(int64_t, sequence_dim) = 1;
+  // Draw the weights blockwise from this seed (Note [Layout-independent
+  // initialization]: no full tensor, the same whatever the layout) instead of
+  // drawing the full tensors as LibTorch's layer does.
+  TORCH_ARG(c10::optional<uint64_t>, init_seed) = c10::nullopt;
 };
 
-class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>, public PlacedModule {
  public:
   RowParallelLinearImpl(const RowParallelLinearOptions& options, comm::CommunicatorPtr tensor_group);
 
   void reset() override;
   void reset_parameters();  // as torch::nn::Linear, drawn full then sharded
   void pretty_print(std::ostream& stream) const override;
+  // Where this rank's weight (and bias) sit in the full tensors.
+  NamedPlacements local_placements() override;
   at::Tensor forward(const at::Tensor& input);
 
   // Loads this rank's columns of the full [out, in] weight and the full bias.

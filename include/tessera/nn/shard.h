@@ -4,6 +4,7 @@
 // that may be padded (vocabularies), the clear rejection of sizes that may
 // not (hidden sizes), and full <-> shard conversion of weights.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/placement.h"
 
 #include <cstdint>
 #include <string>
@@ -26,25 +27,6 @@ at::Tensor shard_of(const at::Tensor& full, int64_t dim, const comm::Communicato
 // The full tensor from every rank's shard along dim (collective over group):
 // how a layer gives back its full weights.
 at::Tensor unshard(const at::Tensor& shard, int64_t dim, const comm::Communicator& group);
-
-// Where a rank's parameter sits in the full (unsharded) tensor: rows
-// [offset, offset + length) along `dim`, or all of it when dim is -1
-// (replicated over the group). The parameter may hold padding rows after
-// those (a padded vocabulary: dim 0 only). Checkpoints that reshard stand on it.
-struct ParamPlacement {
-  at::Tensor param;
-  std::vector<int64_t> full_shape;
-  int64_t dim = -1;
-  int64_t offset = 0;
-  int64_t length = 0;
-};
-
-// `param` whole on every rank.
-ParamPlacement replicated_placement(const at::Tensor& param);
-// `param`, this rank's shard along dim of a full tensor of `full_size` rows
-// there, cut into equal parts of param.size(dim) (the last may be padding).
-ParamPlacement sharded_placement(const at::Tensor& param, int64_t dim, int64_t full_size,
-                                 const comm::Communicator& group);
 
 }  // namespace nn
 }  // namespace tessera

@@ -13,8 +13,10 @@
 // this table produces V_p logits whose padded columns the cross entropy must
 // ignore: pass vocab_size(V) to vocab_parallel_cross_entropy.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
@@ -35,11 +37,15 @@ struct VocabParallelEmbeddingOptions {
   // (Note [1D activation layouts] in column_parallel_linear.h).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(int64_t, sequence_dim) = 1;  // of the output [batch, sequence, embedding_dim]
+  // Draw the weights blockwise from this seed (Note [Layout-independent
+  // initialization]: no full tensor, the same whatever the layout) instead of
+  // drawing the full tensors as LibTorch's layer does.
+  TORCH_ARG(c10::optional<uint64_t>, init_seed) = c10::nullopt;
 
  public:
 };
 
-class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl> {
+class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl>, public PlacedModule {
  public:
   VocabParallelEmbeddingImpl(const VocabParallelEmbeddingOptions& options, comm::CommunicatorPtr tensor_group);
 
@@ -49,6 +55,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   // on every rank the layer equals the serial one.
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
+  // Where this rank's weight (and bias) sit in the full tensors.
+  NamedPlacements local_placements() override;
   // ids: integer tensor of any shape, the same on every rank, each in [0, V).
   // Returns [*ids.shape, D], or with sequence_parallel this rank's shard of
   // it along sequence_dim.

@@ -57,9 +57,9 @@ class FlatBucket {
   bool has_full_grads() const { return full_grad_.defined(); }
   // Drops the full gradient buffer when gradients are sharded.
   void release_full_grads();
-  // Gradients of this bucket's parameters are partial over `group` too
-  // (nn::PartialGradients): the reduced chunk is summed over it as well.
-  void set_partial_group(comm::CommunicatorPtr group) { partial_group_ = std::move(group); }
+  // Gradients of this bucket's parameters are partial over `groups` too
+  // (nn::ParamPlacement::gradient_groups): the reduced chunk is summed over each.
+  void set_partial_groups(std::vector<comm::CommunicatorPtr> groups) { partial_groups_ = std::move(groups); }
   // Starts the reduction of the full gradients into this rank's gradient shard.
   CommTask reduce_grads();
   // After the reduction: divides the gradient shard.
@@ -97,7 +97,7 @@ class FlatBucket {
   at::Tensor full_grad_;    // N; persistent iff s_g == 1
   at::Tensor grad_shard_;   // N / s_g (s_g > 1)
   std::shared_ptr<MemoryCounter> counter_;
-  comm::CommunicatorPtr partial_group_;
+  std::vector<comm::CommunicatorPtr> partial_groups_;
   CommTask gather_task_;
   bool gathered_ = true;
   bool gathering_ = false;

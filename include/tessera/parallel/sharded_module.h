@@ -32,7 +32,7 @@
 // buckets of options.bucket_bytes in reverse registration order, as DDP does.
 #include "tessera/comm/communicator.h"
 #include "tessera/context/parallel_context.h"
-#include "tessera/nn/partial_gradients.h"
+#include "tessera/nn/placement.h"
 #include "tessera/parallel/shard_layout.h"
 #include "tessera/parallel/sharding_spec.h"
 
@@ -70,10 +70,14 @@ struct ShardedModuleOptions {
   TORCH_ARG(bool, sync_module_states) = true;
   // The group to shard over; default: the context's data group.
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
-  // Parameters whose gradients are partial sums over another group (the
-  // sequence-parallel GPT's gpt->partial_gradients()): kept in buckets of
-  // their own, and their reduced gradient chunk is also summed over that group.
-  TORCH_ARG(nn::PartialGradients, partial_gradients) = {};
+  // Placements of the module's parameters (a tensor-parallel model's
+  // placements(), nn/placement.h); parameters not listed are whole and
+  // replicated. Parameters whose gradients are partial over other groups
+  // (gradient_groups()) go into buckets per set of such groups, and their
+  // reduced gradient chunks are summed over those groups too. A replica
+  // group other than the wrapper's own is refused until expert parallelism
+  // lands.
+  TORCH_ARG(nn::NamedPlacements, placements) = {};
 
  public:
   ShardedModuleOptions() = default;

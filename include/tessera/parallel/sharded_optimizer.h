@@ -45,7 +45,7 @@ struct ShardedOptimizerOptions {
   // The dtype the optimizer steps in (Note [Master copies]).
   TORCH_ARG(at::ScalarType, master_dtype) = at::kFloat;
   // Whole-parameter norms over groups beyond the data group, applied to the
-  // module's parameters (a TensorParallelNorms for a tensor-parallel model).
+  // module's parameters (a PlacementNorms for a tensor-parallel model).
   TORCH_ARG(WholeNormsPtr, whole_norms) = nullptr;
 
  public:
@@ -62,7 +62,7 @@ class ShardedOptimizer {
   // Waits for the gradient reductions, steps the local pieces, re-gathers
   // the parameters into their placement.
   void step();
-  // Zeroes gradients in place (never to none; see LIBTORCH_NOTES).
+  // Zeroes gradients in place (never to none; see docs/latest-libtorch.md, difference 3).
   void zero_grad();
 
   // Clips the reduced gradients of all pieces by their global norm

@@ -13,9 +13,11 @@
 // once per element (replicated copies are not added twice; padding is not
 // part of any piece). One all-reduce per group per step, whatever n is.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -37,16 +39,18 @@ class WholeNorms {
 };
 using WholeNormsPtr = std::shared_ptr<const WholeNorms>;
 
-// Parameters split over a tensor group (`sharded`, by identity) have their
-// squares summed over it; the others are replicated there and kept.
-class TensorParallelNorms : public WholeNorms {
+// Norms from the parameters' placements (nn/placement.h): a parameter's
+// squares are summed over each group of its Shard axes, so every element
+// counts once whatever replicates it; parameters without a placement are
+// whole here. One all-reduce per distinct shard group.
+class PlacementNorms : public WholeNorms {
  public:
-  TensorParallelNorms(std::vector<at::Tensor> sharded, comm::CommunicatorPtr group);
+  explicit PlacementNorms(const nn::NamedPlacements& placements);
   void reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const override;
 
  private:
-  std::vector<at::Tensor> sharded_;
-  comm::CommunicatorPtr group_;
+  std::map<const c10::TensorImpl*, std::vector<size_t>> groups_of_;  // indices into groups_
+  std::vector<comm::CommunicatorPtr> groups_;                       // in order of first appearance
 };
 
 // Optimizers whose step needs whole-parameter norms (tessera's LAMB, LARS)

@@ -5,11 +5,13 @@
 // loads into any other parallel configuration (docs/checkpoints.md).
 //
 // Note [Checkpoint layout]
-// A piece is the part of a full tensor one rank holds: a region (rows
-// [offset, offset + length) along dim of the full tensor, or all of it,
-// as nn::ParamPlacement says for tensor-parallel shards), and of that
-// region, read row-major, the flat range [flat_begin, flat_end) (a ZeRO
-// shard of a tensor-parallel shard). Pieces that several ranks hold alike
+// A piece is the part of a full tensor one rank holds: a region (an
+// N-dimensional box, [offset[d], offset[d] + length[d]) along each
+// dimension d, as nn::ParamPlacement says for tensor-parallel shards; the
+// whole tensor when offset is empty), and of that region, read row-major,
+// the flat range [flat_begin, flat_end) (a ZeRO shard of a tensor-parallel
+// shard). Index version 2 stores the boxes; version 1 indexes (one sharded
+// dimension: dim, offset, length) are read by converting them. Pieces that several ranks hold alike
 // (data-parallel replicas, tensors replicated over the tensor group, tied
 // weights on two stages) are written once, by one of them, chosen
 // round-robin so that the writing is spread. A reader assembles a full
@@ -41,9 +43,8 @@ namespace train {
 struct TensorPiece {
   std::string name;
   std::vector<int64_t> full_shape;
-  int64_t dim = -1;  // -1: the region is the whole tensor
-  int64_t offset = 0;
-  int64_t length = 0;
+  std::vector<int64_t> offset;  // the region; empty: the whole tensor
+  std::vector<int64_t> length;
   int64_t flat_begin = 0;
   int64_t flat_end = -1;  // -1: the whole region
   at::Tensor data;        // the piece's elements (any shape, numel as described)
@@ -77,11 +78,16 @@ class CheckpointReader {
   std::vector<int64_t> full_shape(const std::string& name) const;
   // The full tensor, assembled from its pieces (CPU).
   at::Tensor full(const std::string& name) const;
+  // The box [offset, offset + length) of the full tensor, read from the
+  // pieces that overlap it only: memory of the box plus one piece's rows.
+  at::Tensor region(const std::string& name, const std::vector<int64_t>& offset,
+                    const std::vector<int64_t>& length) const;
 
  private:
   struct Piece {
     std::string file, key;
-    int64_t dim, offset, length, flat_begin, flat_end;
+    std::vector<int64_t> offset, length;
+    int64_t flat_begin, flat_end;
   };
   struct Entry {
     std::vector<int64_t> shape;

@@ -9,7 +9,7 @@
 // model is bf16/fp16), "optim/<state>/<name>" ("exp_avg", ...) and
 // "optim/step/<name>". Loading writes the pieces of the new layout from the
 // full tensors and re-gathers the parameters.
-#include "tessera/nn/shard.h"
+#include "tessera/nn/placement.h"
 #include "tessera/parallel/sharded_optimizer.h"
 #include "tessera/train/checkpoint.h"
 
@@ -22,7 +22,7 @@ namespace train {
 
 // Full names and placements of the parameters a rank trains (GPT::placements(),
 // or named_placements() for a module without tensor parallelism).
-using Placements = std::vector<std::pair<std::string, nn::ParamPlacement>>;
+using Placements = nn::NamedPlacements;
 
 // Every parameter of `module` whole, under its name in named_parameters().
 Placements named_placements(torch::nn::Module& module);

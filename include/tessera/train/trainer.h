@@ -6,7 +6,6 @@
 // gradient accumulation and a learning-rate schedule, behind one
 // train_step(); checkpoints that reshard (docs/trainer.md).
 #include "tessera/context/parallel_context.h"
-#include "tessera/nn/partial_gradients.h"
 #include "tessera/optim/loss_scaler.h"
 #include "tessera/parallel/pipeline_executor.h"
 #include "tessera/parallel/sharded_module.h"
@@ -40,19 +39,14 @@ struct TrainModel {
   torch::nn::Sequential layers;
   // (output of the last layer, targets) -> mean loss over those rows.
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
-  // Full names and placements of the parameters (checkpoints);
-  // named_placements(*layers) when empty.
+  // Full names and placements of the parameters (nn/placement.h): the
+  // checkpoint pieces, the gradient groups and the whole norms come from
+  // them. named_placements(*layers) (everything whole) when empty.
   Placements placements;
-  // Gradients partial over the tensor group (sequence-parallel GPT).
-  nn::PartialGradients partial_gradients;
-  // Parameters split over the tensor group (whole norms for LAMB, LARS, clipping).
-  std::vector<at::Tensor> tensor_sharded;
-  comm::CommunicatorPtr tensor_group;
   std::shared_ptr<torch::nn::Module> owner;  // keeps the model alive
 };
 
-// tessera's GPT as a TrainModel: as_sequential(), its loss, full-weight
-// placements, partial gradients and tensor-sharded parameters.
+// tessera's GPT as a TrainModel: as_sequential(), its loss and its placements.
 TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt);
 
 // (name, parameter) of what this rank trains -> the optimizer over them

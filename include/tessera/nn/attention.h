@@ -1,0 +1,43 @@
+#pragma once
+// Causal self-attention over the tokens a rank holds, the core_attention
+// slot of the layer factory when every key a query needs is local (1D and
+// its sequence-parallel variant, whose c_attn gathers the whole sequence).
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+namespace tessera {
+namespace nn {
+
+class LocalAttentionImpl : public torch::nn::Module {
+ public:
+  // `dropout`: applied to the attention probabilities (a ParallelDropout).
+  LocalAttentionImpl(int64_t head_dim, torch::nn::AnyModule dropout);
+  // q, k, v [b, heads, tokens, head_dim]; positions [tokens] (their places
+  // in the sequence): a query attends to keys at positions <= its own.
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
+
+ private:
+  int64_t head_dim_;
+  torch::nn::AnyModule dropout_;
+};
+
+TORCH_MODULE(LocalAttention);
+
+// The mlp slot: c_proj(gelu(c_fc(x))), the two linears made by a factory
+// (column then row in 1D), so that block layout goes in and comes out.
+class MLPImpl : public torch::nn::Module {
+ public:
+  MLPImpl(torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::AnyModule c_fc, c_proj;
+};
+
+TORCH_MODULE(MLP);
+
+}  // namespace nn
+}  // namespace tessera

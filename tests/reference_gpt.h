@@ -1,0 +1,233 @@
+#pragma once
+// The reference GPT of the serial-equivalence tests: a GPT-2-style model
+// written with plain LibTorch tensor operations and nothing from tessera, so
+// that a bug in tessera's own GPT (include/tessera/models/gpt.h) cannot hide
+// on the serial side of a "parallel equals serial" test.
+//
+// Token and position embeddings, dropout, N pre-LayerNorm blocks of causal
+// multi-head self-attention and a 4h exact-GELU MLP, final LayerNorm, an LM
+// head tied to the token embedding (or a separate lm_head), and mean cross
+// entropy with ignore_index -100.
+//
+// Its parameters carry the names and shapes of tessera's GPT::full_state()
+// (Note [GPT full weights]): "wte.weight", "wpe.weight",
+// "h.<i>.ln_1.{weight,bias}", "h.<i>.attn.c_attn.{weight,bias}",
+// "h.<i>.attn.c_proj.{weight,bias}", "h.<i>.ln_2.{weight,bias}",
+// "h.<i>.mlp.c_fc.{weight,bias}", "h.<i>.mlp.c_proj.{weight,bias}",
+// "ln_f.{weight,bias}" and, untied, "lm_head.weight". Linear weights are
+// [out, in]; c_attn's [3h, h] rows are grouped per head (head 0's q, k, v
+// rows, then head 1's, ...).
+//
+// Construction draws nothing from the default generator (weights start at
+// zero, LayerNorm at one): load_full_state() gives the model its weights.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace test {
+
+struct ReferenceGPTConfig {
+  int64_t vocab = 101;
+  int64_t context = 32;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t hidden = 32;
+  double dropout = 0.0;
+  bool tied = true;
+};
+
+// From any config with these fields (models::GPTConfig), without naming it.
+template <typename Config>
+ReferenceGPTConfig reference_config(const Config& c) {
+  ReferenceGPTConfig r;
+  r.vocab = c.vocab;
+  r.context = c.context;
+  r.layers = c.layers;
+  r.heads = c.heads;
+  r.hidden = c.hidden;
+  r.dropout = c.dropout;
+  r.tied = c.tied;
+  return r;
+}
+
+namespace reference_detail {
+
+// y = x W^T + b, W [out, in].
+struct LinearImpl : torch::nn::Module {
+  LinearImpl(int64_t in, int64_t out) {
+    weight = register_parameter("weight", torch::zeros({out, in}));
+    bias = register_parameter("bias", torch::zeros({out}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return at::linear(x, weight, bias); }
+  torch::Tensor weight, bias;
+};
+
+struct LayerNormImpl : torch::nn::Module {
+  explicit LayerNormImpl(int64_t dim) : shape{dim} {
+    weight = register_parameter("weight", torch::ones({dim}));
+    bias = register_parameter("bias", torch::zeros({dim}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return at::layer_norm(x, shape, weight, bias, 1e-5); }
+  std::vector<int64_t> shape;
+  torch::Tensor weight, bias;
+};
+
+// A [rows, dim] table: token and position embeddings, the untied LM head.
+struct TableImpl : torch::nn::Module {
+  TableImpl(int64_t rows, int64_t dim) { weight = register_parameter("weight", torch::zeros({rows, dim})); }
+  torch::Tensor forward(const torch::Tensor& ids) { return at::embedding(weight, ids); }
+  torch::Tensor weight;
+};
+
+// Skipped at p = 0 (then it draws nothing). Not named dropout: at::dropout is found by ADL.
+inline torch::Tensor apply_dropout(const torch::Tensor& x, double p, bool training) {
+  return p > 0 ? at::dropout(x, p, training) : x;
+}
+
+// Causal multi-head self-attention; c_attn's rows grouped per head.
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(int64_t hidden, int64_t n_heads, double drop) : heads(n_heads), head_dim(hidden / n_heads), p(drop) {
+    c_attn = register_module("c_attn", std::make_shared<LinearImpl>(hidden, 3 * hidden));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(hidden, hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t b = x.size(0), s = x.size(1);
+    // [b, s, heads, 3, head_dim]: per head, its q, k and v features in turn.
+    const torch::Tensor qkv = c_attn->forward(x).reshape({b, s, heads, 3, head_dim});
+    const torch::Tensor q = qkv.select(3, 0).transpose(1, 2);  // [b, heads, s, head_dim]
+    const torch::Tensor k = qkv.select(3, 1).transpose(1, 2);
+    const torch::Tensor v = qkv.select(3, 2).transpose(1, 2);
+    torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    const torch::Tensor future =
+        torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+    const torch::Tensor probs = apply_dropout(torch::softmax(scores, -1), p, is_training());
+    const torch::Tensor y = torch::matmul(probs, v).transpose(1, 2).reshape({b, s, heads * head_dim});
+    return c_proj->forward(y);
+  }
+  int64_t heads, head_dim;
+  double p;
+  std::shared_ptr<LinearImpl> c_attn, c_proj;
+};
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(int64_t hidden) {
+    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(hidden, 4 * hidden));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(4 * hidden, hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return c_proj->forward(at::gelu(c_fc->forward(x))); }  // exact GELU
+  std::shared_ptr<LinearImpl> c_fc, c_proj;
+};
+
+// Pre-LayerNorm block: x + drop(attn(ln_1(x))), then h + drop(mlp(ln_2(h))).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t hidden, int64_t heads, double drop) : p(drop) {
+    ln_1 = register_module("ln_1", std::make_shared<LayerNormImpl>(hidden));
+    attn = register_module("attn", std::make_shared<AttentionImpl>(hidden, heads, drop));
+    ln_2 = register_module("ln_2", std::make_shared<LayerNormImpl>(hidden));
+    mlp = register_module("mlp", std::make_shared<MLPImpl>(hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor h = x + apply_dropout(attn->forward(ln_1->forward(x)), p, is_training());
+    return h + apply_dropout(mlp->forward(ln_2->forward(h)), p, is_training());
+  }
+  double p;
+  std::shared_ptr<LayerNormImpl> ln_1, ln_2;
+  std::shared_ptr<AttentionImpl> attn;
+  std::shared_ptr<MLPImpl> mlp;
+};
+
+}  // namespace reference_detail
+
+class ReferenceGPTImpl : public torch::nn::Module {
+ public:
+  explicit ReferenceGPTImpl(const ReferenceGPTConfig& config) : config_(config) {
+    TORCH_CHECK(config_.vocab > 0 && config_.context > 0 && config_.layers > 0 && config_.heads > 0 &&
+                    config_.hidden > 0,
+                "reference GPT: config sizes must be positive");
+    TORCH_CHECK(config_.hidden % config_.heads == 0, "reference GPT: hidden ", config_.hidden,
+                " is not divisible by heads ", config_.heads);
+    namespace d = reference_detail;
+    wte_ = register_module("wte", std::make_shared<d::TableImpl>(config_.vocab, config_.hidden));
+    wpe_ = register_module("wpe", std::make_shared<d::TableImpl>(config_.context, config_.hidden));
+    // Submodule names cannot hold a dot: "h" holds "0", "1", ... ("h.0.ln_1.weight").
+    auto h = register_module("h", std::make_shared<torch::nn::Module>());
+    for (int64_t i = 0; i < config_.layers; ++i) {
+      blocks_.push_back(std::make_shared<d::BlockImpl>(config_.hidden, config_.heads, config_.dropout));
+      h->register_module(std::to_string(i), blocks_.back());
+    }
+    ln_f_ = register_module("ln_f", std::make_shared<d::LayerNormImpl>(config_.hidden));
+    if (!config_.tied)
+      lm_head_ = register_module("lm_head", std::make_shared<d::TableImpl>(config_.vocab, config_.hidden));
+  }
+
+  // ids [b, s] (s <= context) -> logits [b, s, vocab].
+  torch::Tensor forward(const torch::Tensor& ids) {
+    TORCH_CHECK(ids.dim() == 2, "reference GPT expects token ids [batch, sequence], got shape ", ids.sizes());
+    const int64_t s = ids.size(1);
+    TORCH_CHECK(s <= config_.context, "reference GPT: sequence length ", s, " exceeds the context ", config_.context);
+    const torch::Tensor positions = torch::arange(s, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
+    torch::Tensor x =
+        reference_detail::apply_dropout(wte_->forward(ids) + wpe_->forward(positions), config_.dropout, is_training());
+    for (auto& block : blocks_) x = block->forward(x);
+    x = ln_f_->forward(x);
+    const torch::Tensor& head = config_.tied ? wte_->weight : lm_head_->weight;
+    return torch::matmul(x, head.t());
+  }
+
+  // Mean cross entropy of logits [b, s, vocab] against targets [b, s], ignore_index -100.
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+                                                torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+  }
+
+  // Copies every parameter from `state` (GPT::full_state() names and shapes);
+  // a missing, extra or misshapen entry is an error.
+  void load_full_state(const std::map<std::string, torch::Tensor>& state) {
+    torch::NoGradGuard no_grad;
+    auto params = named_parameters();
+    TORCH_CHECK(state.size() == params.size(), "reference GPT: load_full_state got ", state.size(),
+                " tensors, the model has ", params.size());
+    for (auto& p : params) {
+      auto it = state.find(p.key());
+      TORCH_CHECK(it != state.end(), "reference GPT: load_full_state: '", p.key(), "' is missing");
+      TORCH_CHECK(it->second.sizes() == p.value().sizes(), "reference GPT: '", p.key(), "' has shape ",
+                  it->second.sizes(), ", expected ", p.value().sizes());
+      p.value().copy_(it->second);
+    }
+  }
+
+  // Copies of the parameters (or, with gradients = true, of their gradients,
+  // zeros where none) under GPT::full_state() names.
+  std::map<std::string, torch::Tensor> full_state(bool gradients = false) {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& p : named_parameters()) {
+      const torch::Tensor& t = p.value();
+      if (!gradients)
+        out[p.key()] = t.detach().clone();
+      else
+        out[p.key()] = t.grad().defined() ? t.grad().detach().clone() : torch::zeros_like(t).detach();
+    }
+    return out;
+  }
+
+  const ReferenceGPTConfig& config() const { return config_; }
+
+ private:
+  ReferenceGPTConfig config_;
+  std::shared_ptr<reference_detail::TableImpl> wte_, wpe_, lm_head_;
+  std::vector<std::shared_ptr<reference_detail::BlockImpl>> blocks_;
+  std::shared_ptr<reference_detail::LayerNormImpl> ln_f_;
+};
+
+TORCH_MODULE(ReferenceGPT);
+
+}  // namespace test
+}  // namespace tessera
