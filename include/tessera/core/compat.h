@@ -1,6 +1,6 @@
 #pragma once
 // The one place where LibTorch 1.13 and 2.x differ for tessera
-// (see ../shared/LIBTORCH_NOTES.md). Keep version checks out of other files.
+// (see docs/latest-libtorch.md). Keep version checks out of other files.
 #include <torch/csrc/api/include/torch/version.h>
 
 #define TESSERA_TORCH_VERSION_AT_LEAST(major, minor) \
