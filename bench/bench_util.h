@@ -1,6 +1,7 @@
 #pragma once
 // Shared by the benchmarks: main()'s frame, integer flags and the timing loop.
 #include <tessera/comm/mpi_runtime.h>
+#include <tessera/context/parallel_config.h>
 #include <tessera/core/threads.h>
 
 #include <c10/util/Exception.h>
@@ -57,14 +58,30 @@ inline double time_ms(const std::function<void()>& fn, const Timing& t, MPI_Comm
   return rounds[rounds.size() / 2];
 }
 
-// "--name value" pairs: integer flags go to `ints`, the rest to `strings`;
-// anything else is an error naming the flag and the file that documents it.
-inline void parse_flags(int argc, char** argv, const std::map<std::string, int64_t*>& ints,
-                        const std::map<std::string, std::string*>& strings, const std::string& doc) {
-  for (int i = 1; i < argc; i += 2) {
-    const std::string f = argv[i];
-    TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value; see ", doc);
-    const std::string v = argv[i + 1];
+// The benchmark's own flags, "--name value" or "--name=value": integers go
+// to `ints`, the rest to `strings`. The grid's dimensions (--dp --pp --tp
+// --tp-mode --tp-depth --sp --sp-mode --ep --order --seed) are read by the
+// library's one parser, context::config_from_args, over `grid`, which is
+// returned. Anything else is an error naming the flag and the file that
+// documents it.
+inline tessera::context::ParallelConfig parse_flags(int argc, char** argv,
+                                                    const std::map<std::string, int64_t*>& ints,
+                                                    const std::map<std::string, std::string*>& strings,
+                                                    const std::string& doc,
+                                                    const tessera::context::ParallelConfig& grid = {}) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    TORCH_CHECK(arg.rfind("--", 0) == 0, "expected a flag, got '", arg, "'; see ", doc);
+    const size_t eq = arg.find('=');
+    const std::string f = arg.substr(0, eq);
+    std::string v;
+    if (eq != std::string::npos) {
+      v = arg.substr(eq + 1);
+    } else {
+      TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value; see ", doc);
+      v = argv[++i];
+    }
+    if (tessera::context::is_parallel_flag(f)) continue;
     if (auto s = strings.find(f); s != strings.end()) {
       *s->second = v;
       continue;
@@ -72,11 +89,23 @@ inline void parse_flags(int argc, char** argv, const std::map<std::string, int64
     auto n = ints.find(f);
     TORCH_CHECK(n != ints.end(), "unknown flag ", f, "; see ", doc);
     try {
-      *n->second = std::stoll(v);
+      size_t used = 0;
+      *n->second = std::stoll(v, &used);
+      TORCH_CHECK(used == v.size(), "trailing characters");
     } catch (const std::exception&) {
       TORCH_CHECK(false, "flag ", f, " needs an integer, got '", v, "'");
     }
   }
+  return tessera::context::config_from_args(argc, argv, grid);
+}
+
+// Whether argv has `flag`, as "--flag value" or "--flag=value".
+inline bool flag_given(int argc, char** argv, const std::string& flag) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == flag || arg.rfind(flag + "=", 0) == 0) return true;
+  }
+  return false;
 }
 
 }  // namespace bench

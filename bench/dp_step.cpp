@@ -10,6 +10,8 @@
 //   mpirun -np 4 dp_step [--hidden 1024] [--layers 4] [--batch 64] [--steps 5]
 //       [--warmup 2] [--rounds 3] [--bucket-mb 25] [--specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2]
 //       [--device cpu|cuda] [--backend auto|mpi|nccl] [--offload none|optimizer|params]
+//       [--dp N] (the grid flags of context::config_from_args; every rank is a
+//       data rank, so the other dimensions must be 1)
 //
 // On CUDA every timed call ends with a device synchronization, and the
 // caching allocator's bytes (after a step, and the step's peak, relative to
@@ -67,10 +69,10 @@ std::vector<std::string> split_specs(const std::string& text) {
   return out;
 }
 
-Args parse(int argc, char** argv) {
+Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
   Args a;
   std::string specs;
-  bench::parse_flags(
+  *grid = bench::parse_flags(
       argc, argv,
       {{"--hidden", &a.hidden},
        {"--layers", &a.layers},
@@ -80,7 +82,7 @@ Args parse(int argc, char** argv) {
        {"--warmup", &a.warmup},
        {"--rounds", &a.rounds}},
       {{"--specs", &specs}, {"--device", &a.device}, {"--backend", &a.backend}, {"--offload", &a.offload}},
-      "the comment at the top of bench/dp_step.cpp");
+      "the comment at the top of bench/dp_step.cpp", *grid);
   if (!specs.empty()) a.specs = split_specs(specs);
   TORCH_CHECK(a.offload == "none" || a.offload == "optimizer" || a.offload == "params",
               "--offload must be none, optimizer or params, got '", a.offload, "'");
@@ -149,7 +151,8 @@ void comm_only_step(ShardedModule& m) {
 
 int main(int argc, char** argv) {
   return bench::run_main(&argc, &argv, "dp_step", [&](int rank) {
-    const Args a = parse(argc, argv);
+    tessera::context::ParallelConfig grid;
+    const Args a = parse(argc, argv, &grid);
     c10::Device device(a.device);
     if (device.is_cuda() && !device.has_index()) device = tessera::context::local_device();
     tessera::comm::WorldOptions world_options;
@@ -158,11 +161,14 @@ int main(int argc, char** argv) {
                             : a.backend == "nccl" ? tessera::comm::Backend::kNccl
                                                   : tessera::comm::Backend::kAuto;
     auto world = tessera::comm::make_world_communicator(world_options);
-    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
+    auto ctx = tessera::context::ParallelContext::create(world, grid);
+    TORCH_CHECK(ctx->config().data() == world->size() && ctx->config().expert() == 1,
+                "dp_step times data parallelism over all ranks, but the grid is ", tessera::context::to_string(ctx->config()),
+                "; leave --pp --tp --sp --ep at 1");
     tessera::comm::WorldOptions traced_options = world_options;
     traced_options.trace = std::make_shared<tessera::comm::CommTrace>();
-    auto traced_ctx = tessera::context::ParallelContext::create(tessera::comm::make_world_communicator(traced_options),
-                                                                tessera::context::ParallelConfig());
+    auto traced_ctx =
+        tessera::context::ParallelContext::create(tessera::comm::make_world_communicator(traced_options), grid);
     const int dp = world->size();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + rank);
     const at::Tensor x = at::randn({a.batch, a.hidden}, gen).to(device);

@@ -1,11 +1,14 @@
 // gpt_step: time of one training step (forward, loss, backward, AdamW) of
-// tessera's GPT at tensor size = the number of ranks, 1D and its
-// sequence-parallel variant, against a plain LibTorch GPT of the same shape
-// (bench/baseline_gpt.h) timed in the same run on every rank. Prints one JSON
-// object per configuration.
+// tessera's GPT over one tensor-parallel group (by default all ranks), for
+// the layers make_layer_factory gives the context's tensor mode and for
+// their sequence-parallel variant, against a plain LibTorch GPT of the same
+// shape (bench/baseline_gpt.h) timed in the same run on every rank. Prints
+// one JSON object per configuration.
 //
 //   mpirun -np N gpt_step [--layers 4] [--hidden 256] [--heads 8] [--seq 128]
 //       [--batch 8] [--vocab 8192] [--steps 4] [--warmup 2] [--rounds 3]
+//       [--tp N] [--tp-mode 1d] [--order ...] (the grid flags of
+//       context::config_from_args; data, pipeline, sequence and expert must be 1)
 #include "baseline_gpt.h"
 #include "bench_util.h"
 
@@ -26,9 +29,9 @@ struct Args {
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
-Args parse(int argc, char** argv) {
+Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
   Args a;
-  bench::parse_flags(argc, argv,
+  *grid = bench::parse_flags(argc, argv,
                      {{"--layers", &a.layers},
                       {"--hidden", &a.hidden},
                       {"--heads", &a.heads},
@@ -38,7 +41,7 @@ Args parse(int argc, char** argv) {
                       {"--steps", &a.steps},
                       {"--warmup", &a.warmup},
                       {"--rounds", &a.rounds}},
-                     {}, "the comment at the top of bench/gpt_step.cpp");
+                     {}, "the comment at the top of bench/gpt_step.cpp", *grid);
   return a;
 }
 
@@ -46,9 +49,15 @@ Args parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   return bench::run_main(&argc, &argv, "gpt_step", [&](int rank) {
-    const Args a = parse(argc, argv);
     auto world = tessera::comm::make_world_communicator();
-    const int n = world->size();
+    tessera::context::ParallelConfig grid = tessera::context::ParallelConfig().tensor(world->size());
+    const Args a = parse(argc, argv, &grid);
+    auto ctx = tessera::context::ParallelContext::create(world, grid);
+    const auto& c = ctx->config();
+    TORCH_CHECK(c.data() == 1 && c.pipeline() == 1, "gpt_step times one tensor-parallel group, but the grid has data ",
+                c.data(), " and pipeline ", c.pipeline(), "; set --tp to the number of ranks (bench/dp_step and ",
+                "bench/pipeline time the other dimensions)");
+    const int n = c.tensor();
     tessera::models::GPTConfig config;
     config.vocab = a.vocab;
     config.context = a.seq;
@@ -62,7 +71,7 @@ int main(int argc, char** argv) {
     for (bool sp : {false, true}) {
       if (sp && n == 1) continue;  // the variant is the same model at size 1
       torch::manual_seed(0);
-      tessera::models::GPT gpt(config, tessera::nn::make_1d_factory(world, sp, 1, 2));
+      tessera::models::GPT gpt(config, tessera::nn::make_layer_factory(ctx, sp));
       torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
       auto tessera_step = [&] {
         opt.zero_grad();
@@ -91,10 +100,11 @@ int main(int argc, char** argv) {
       const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
       if (rank == 0) {
         fmt::print(
-            "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"sp_variant\": {}, \"step_ms\": {:.3f}, "
+            "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", \"sp_variant\": {}, \"step_ms\": {:.3f}, "
             "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
             "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}}}\n",
-            a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, sp ? "true" : "false", step_ms,
+            a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n,
+            tessera::context::tensor_mode_name(c.tensor_mode()), sp ? "true" : "false", step_ms,
             a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first);
         std::fflush(stdout);
       }

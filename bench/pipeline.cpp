@@ -8,6 +8,8 @@
 //   mpirun -np 4 pipeline [--layers 8] [--hidden 128] [--heads 4] [--seq 64] [--mb-rows 2]
 //       [--microbatches 8] [--chunks 2] [--steps 3] [--warmup 1] [--rounds 3]
 //       [--schedules gpipe,1f1b,interleaved,zb-h1,zb-h2]
+//       [--pp N] [--tp T] [--order ...] (the grid flags of context::config_from_args;
+//       pp defaults to the number of ranks over tp; data, sequence and expert must be 1)
 #include "bench_util.h"
 
 #include <tessera/models/gpt.h>
@@ -33,10 +35,10 @@ struct Args {
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
-Args parse(int argc, char** argv) {
+Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
   Args a;
   std::string schedules;
-  bench::parse_flags(argc, argv,
+  *grid = bench::parse_flags(argc, argv,
                      {{"--layers", &a.layers},
                       {"--hidden", &a.hidden},
                       {"--heads", &a.heads},
@@ -47,7 +49,7 @@ Args parse(int argc, char** argv) {
                       {"--steps", &a.steps},
                       {"--warmup", &a.warmup},
                       {"--rounds", &a.rounds}},
-                     {{"--schedules", &schedules}}, "the comment at the top of bench/pipeline.cpp");
+                     {{"--schedules", &schedules}}, "the comment at the top of bench/pipeline.cpp", *grid);
   if (!schedules.empty()) {
     a.schedules.clear();
     std::stringstream ss(schedules);
@@ -70,11 +72,17 @@ tessera::models::GPTConfig gpt_config(const Args& a) {
 
 int main(int argc, char** argv) {
   return bench::run_main(&argc, &argv, "pipeline", [&](int rank) {
-    const Args a = parse(argc, argv);
     auto world = tessera::comm::make_world_communicator();
-    const int pp = world->size();
-    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig().pipeline(pp));
-    auto tensor = ctx->comm(tessera::context::ParallelMode::kTensor);
+    tessera::context::ParallelConfig grid;
+    const Args a = parse(argc, argv, &grid);
+    // Without --pp, every rank not taken by the tensor dimension is a stage.
+    if (!bench::flag_given(argc, argv, "--pp")) grid.pipeline(world->size() / std::max(1, grid.tensor()));
+    auto ctx = tessera::context::ParallelContext::create(world, grid);
+    TORCH_CHECK(ctx->config().data() == 1, "pipeline times one pipeline, but the grid has data ", ctx->config().data(),
+                "; set --pp and --tp so that pp*tp is the number of ranks (bench/dp_step times data parallelism)");
+    const int pp = ctx->config().pipeline();
+    // The serial baseline: the whole model in one process, on rank 0.
+    auto one = tessera::context::ParallelContext::create(world->split(world->rank(), 0, "self"), {});
     const int64_t rows = a.mb_rows * a.microbatches;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
     const at::Tensor x = at::randint(512, {rows, a.seq}, gen, at::kLong);
@@ -84,7 +92,7 @@ int main(int argc, char** argv) {
     double serial_ms = 0;
     {
       torch::manual_seed(1);
-      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_1d_factory(tensor, false, 1, 2));
+      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_layer_factory(one));
       if (rank == 0) {
         bench::Timing t = a.timing();
         serial_ms = bench::time_ms(
@@ -101,7 +109,7 @@ int main(int argc, char** argv) {
       const ScheduleKind kind = tessera::parallel::parse_schedule_kind(name);
       const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks) : 1;
       torch::manual_seed(1);
-      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_1d_factory(tensor, false, 1, 2));
+      tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_layer_factory(ctx));
       PipelineExecutor pipe(
           gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& t) { return gpt->loss(out, t); },
           PipelineOptions().schedule(kind).microbatches(static_cast<int>(a.microbatches)).chunks(chunks));
@@ -119,7 +127,7 @@ int main(int argc, char** argv) {
       const auto& st = pipe.last_stats();
       double idle_fraction = st.wait_seconds * 1e3 / mine_ms, bubble = 0;
       MPI_Allreduce(&idle_fraction, &bubble, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-      bubble /= pp;
+      bubble /= world->size();
       double sums[8], totals[8];
       for (int k = 0; k < 4; ++k) {
         sums[k] = st.seconds[k];
@@ -137,12 +145,12 @@ int main(int argc, char** argv) {
       for (int v : sim.peak_inflight) peak = std::max(peak, v);
       if (rank == 0) {
         fmt::print(
-            "{{\"schedule\": \"{}\", \"pp\": {}, \"chunks\": {}, \"microbatches\": {}, \"rows\": {}, \"seq\": {}, "
+            "{{\"schedule\": \"{}\", \"pp\": {}, \"tp\": {}, \"chunks\": {}, \"microbatches\": {}, \"rows\": {}, \"seq\": {}, "
             "\"hidden\": {}, \"layers\": {}, \"step_ms\": {:.3f}, \"serial_step_ms\": {:.3f}, "
             "\"measured_bubble\": {:.4f}, \"simulated_bubble\": {:.4f}, \"simulated_step_ms\": {:.3f}, "
             "\"peak_inflight\": {}, \"forward_ms\": {:.3f}, \"backward_ms\": {:.3f}, \"backward_input_ms\": {:.3f}, "
             "\"backward_weight_ms\": {:.3f}}}\n",
-            name, pp, chunks, a.microbatches, rows, a.seq, a.hidden, a.layers, step_ms, serial_ms, bubble, sim.bubble,
+            name, pp, ctx->config().tensor(), chunks, a.microbatches, rows, a.seq, a.hidden, a.layers, step_ms, serial_ms, bubble, sim.bubble,
             sim.makespan, peak, costs.forward, costs.backward, costs.backward_input, costs.backward_weight);
         std::fflush(stdout);
       }

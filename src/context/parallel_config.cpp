@@ -103,7 +103,7 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
   }
 }
 
-bool is_known_flag(const std::string& flag) {
+bool known_flag(const std::string& flag) {
   static constexpr std::array<const char*, 10> kFlags = {"--dp", "--pp",      "--tp", "--tp-mode", "--tp-depth",
                                                          "--sp", "--sp-mode", "--ep", "--order",   "--seed"};
   return std::any_of(kFlags.begin(), kFlags.end(), [&](const char* known) { return flag == known; });
@@ -307,7 +307,7 @@ ParallelConfig config_from_args(int argc, const char* const* argv, const Paralle
     if (arg.rfind("--", 0) != 0) continue;
     const size_t eq = arg.find('=');
     const std::string flag = arg.substr(0, eq);
-    if (!is_known_flag(flag)) continue;
+    if (!known_flag(flag)) continue;
     std::string value;
     if (eq != std::string::npos) {
       value = arg.substr(eq + 1);
@@ -320,6 +320,8 @@ ParallelConfig config_from_args(int argc, const char* const* argv, const Paralle
   }
   return config;
 }
+
+bool is_parallel_flag(const std::string& flag) { return known_flag(flag); }
 
 ParallelConfig config_from_json(const std::string& json_text) {
   Json root;

@@ -83,6 +83,11 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size);
 // number where one is needed, throws. argv[0] is the program name.
 ParallelConfig config_from_args(int argc, const char* const* argv, const ParallelConfig& base = ParallelConfig());
 
+// True for the flags config_from_args reads ("--dp", "--tp-mode", ...; the
+// flag alone, without "=value"): for programs that parse the rest of argv
+// strictly and leave the grid's dimensions to config_from_args.
+bool is_parallel_flag(const std::string& flag);
+
 // Reads a JSON object with the keys
 //   {"data": 2, "pipeline": 1, "tensor": {"size": 4, "mode": "2d", "depth": 1},
 //    "sequence": {"size": 1, "mode": "ulysses"}, "expert": 1,
