@@ -22,7 +22,8 @@ namespace parallel {
 // Everything the autograd hooks reach; they hold it weakly so that a hook
 // outliving its ShardedModule does nothing.
 struct ShardState {
-  std::unique_ptr<ShardLayout> layout;
+  // [0]: the wrapper's group; then one per replica group (Note [Replica groups]).
+  std::vector<std::unique_ptr<ShardLayout>> layouts;
   std::shared_ptr<MemoryCounter> counter = std::make_shared<MemoryCounter>();
   std::vector<std::unique_ptr<FlatBucket>> buckets;  // in reduction order
   std::vector<std::string> unit_names;               // the root unit, if any, is last and named ""
@@ -204,7 +205,50 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   const ShardDegrees degrees = options_.spec().resolve(group_->size());
   state_ = std::make_shared<ShardState>();
   ShardState& s = *state_;
-  s.layout = std::make_unique<ShardLayout>(group_, degrees);
+  s.layouts.push_back(std::make_unique<ShardLayout>(group_, degrees));
+
+  // Note [Replica groups]
+  // A parameter whose placement names a replica group smaller than the
+  // wrapper's (an expert's parameters: the expert-data group) holds other
+  // values on the ranks outside it, so everything the wrapper does with it
+  // stays inside that group: the initial broadcast, the shard layout (the
+  // spec resolved over the group's size) and the gradient sum. The mean is
+  // still over the wrapper's group: each rank's loss covers its own batch,
+  // and an expert's gradient already gathers the tokens that the other
+  // ranks of its expert group sent it, so the sum over its replica group is
+  // the sum over all data ranks. Its placement names the axis over which the
+  // values differ (Shard(0) over the expert group for stacked experts), so
+  // norms and checkpoints see the whole tensor.
+  std::map<const void*, size_t> layout_of;  // parameter -> index into s.layouts
+  {
+    std::vector<comm::CommunicatorPtr> replica_groups;
+    for (const auto& [name, p] : options_.placements()) {
+      const auto& r = p.replica_group;
+      if (!r || r.get() == group_.get() || r->size() == group_->size()) continue;
+      TORCH_CHECK(group_->size() % r->size() == 0, "ShardedModule: parameter '", name, "' names a replica group of ",
+                  r->size(), " ranks, which does not divide the wrapper's group of ", group_->size(),
+                  " ranks; a replica group must be a sub-group of it (expert-data inside data)");
+      auto it = std::find(replica_groups.begin(), replica_groups.end(), r);
+      if (it == replica_groups.end()) {
+        ShardDegrees replica_degrees;
+        try {
+          replica_degrees = options_.spec().resolve(r->size());
+        } catch (const c10::Error& e) {
+          TORCH_CHECK(false, "ShardedModule: parameter '", name, "' is replicated over a replica group of ", r->size(),
+                      " ranks ('", r->name(), "'), over which sharding spec ", options_.spec().to_string(),
+                      " cannot be laid out: ", e.what_without_backtrace(),
+                      "; choose a spec whose degrees divide every replica group's size");
+        }
+        s.layouts.push_back(std::make_unique<ShardLayout>(r, replica_degrees));
+        it = replica_groups.insert(replica_groups.end(), r);
+      }
+      layout_of[p.param.unsafeGetTensorImpl()] = 1 + static_cast<size_t>(it - replica_groups.begin());
+    }
+  }
+  auto layout_index = [&](const at::Tensor& param) {
+    auto it = layout_of.find(param.unsafeGetTensorImpl());
+    return it == layout_of.end() ? size_t{0} : it->second;
+  };
   s.prefetch = options_.prefetch();
   s.overlap = options_.overlap();
   s.scale = options_.average() ? 1.0 / group_->size() : 1.0;
@@ -216,7 +260,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     for (auto& b : module_->buffers()) states.push_back(b);
     for (auto& t : states) {
       at::Tensor buf = t.is_contiguous() ? t.detach() : t.detach().contiguous();
-      group_->broadcast(buf);
+      s.layouts[layout_index(t)]->group()->broadcast(buf);
       if (!buf.is_same(t)) t.detach().copy_(buf);
     }
   }
@@ -265,7 +309,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   auto same_kind = [](const ParamSlot& a, const ParamSlot& b) {
     return a.param.scalar_type() == b.param.scalar_type() && a.param.device() == b.param.device();
   };
-  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes,
+  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes, size_t layout,
                                const std::vector<comm::CommunicatorPtr>& partial_groups) {
     std::vector<size_t> made;
     std::reverse(slots.begin(), slots.end());
@@ -274,7 +318,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     auto flush = [&] {
       if (current.empty()) return;
       made.push_back(s.buckets.size());
-      s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layout, materialize,
+      s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layouts[layout],
+                                                       materialize,
                                                        options_.offload_params(), s.counter));
       s.buckets.back()->set_partial_groups(partial_groups);
       current.clear();
@@ -294,10 +339,6 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   // groups, so the chunks summed over them line up).
   std::map<const void*, std::vector<comm::CommunicatorPtr>> partial;
   for (const auto& [name, p] : options_.placements()) {
-    TORCH_CHECK(!p.replica_group || p.replica_group.get() == group_.get() || p.replica_group->size() == group_->size(),
-                "ShardedModule: parameter '", name, "' names a replica group of ", p.replica_group->size(),
-                " ranks other than the wrapper's group of ", group_->size(),
-                "; reducing over several replica groups (expert parallelism) is not supported yet");
     auto groups = p.gradient_groups();
     if (!groups.empty()) partial[p.param.unsafeGetTensorImpl()] = std::move(groups);
   }
@@ -306,18 +347,21 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     return it == partial.end() ? std::vector<comm::CommunicatorPtr>{} : it->second;
   };
   auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
-    // Sets of gradient groups in order of first appearance (identical on every rank).
-    std::vector<std::pair<std::vector<comm::CommunicatorPtr>, std::vector<ParamSlot>>> sets;
+    // Sets of (layout, gradient groups) in order of first appearance (the
+    // same on every rank), the wrapper's layout without partial groups first.
+    using Key = std::pair<size_t, std::vector<comm::CommunicatorPtr>>;
+    std::vector<std::pair<Key, std::vector<ParamSlot>>> sets;
     for (auto& slot : slots) {
-      auto groups = groups_of(slot);
-      auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == groups; });
-      if (it == sets.end()) it = sets.insert(sets.end(), {groups, {}});
+      Key key{layout_index(slot.param), groups_of(slot)};
+      auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == key; });
+      if (it == sets.end()) it = sets.insert(sets.end(), {key, {}});
       it->second.push_back(std::move(slot));
     }
-    std::stable_partition(sets.begin(), sets.end(), [](const auto& e) { return e.first.empty(); });
+    std::stable_partition(sets.begin(), sets.end(),
+                          [](const auto& e) { return e.first.first == 0 && e.first.second.empty(); });
     std::vector<size_t> made;
-    for (auto& [groups, members] : sets)
-      for (size_t b : add_plain_buckets(std::move(members), cap_bytes, groups)) made.push_back(b);
+    for (auto& [key, members] : sets)
+      for (size_t b : add_plain_buckets(std::move(members), cap_bytes, key.first, key.second)) made.push_back(b);
     return made;
   };
   if (materialize) {
@@ -361,8 +405,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
 
 ShardedModule::~ShardedModule() = default;
 
-const ShardDegrees& ShardedModule::degrees() const { return state_->layout->degrees(); }
-const ShardLayout& ShardedModule::layout() const { return *state_->layout; }
+const ShardDegrees& ShardedModule::degrees() const { return state_->layouts[0]->degrees(); }
+const ShardLayout& ShardedModule::layout() const { return *state_->layouts[0]; }
 size_t ShardedModule::num_units() const { return state_->unit_names.size() - (state_->has_root_unit ? 1 : 0); }
 size_t ShardedModule::num_buckets() const { return state_->buckets.size(); }
 const FlatBucket& ShardedModule::bucket(size_t i) const { return *state_->buckets.at(i); }

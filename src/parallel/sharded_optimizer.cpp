@@ -15,6 +15,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -40,18 +41,28 @@ namespace {
 
 // Note [Whole-parameter norms] for pieces: each piece's local squares go to
 // its parameter's row of a [P, k] table over all the module's parameters
-// (the same order on every data rank), the table is summed over the data
-// group (replicas of the optimizer chunks scaled by 1/r so that each element
-// counts once), made whole over further groups by `outer`, and read back.
+// (the same order on every data rank), each row is summed over the group its
+// bucket's layout spans (the data group, or the parameter's replica group;
+// replicas of the optimizer chunks scaled by 1/r so that each element counts
+// once), made whole over further groups by `outer`, and read back.
 class PieceNorms : public WholeNorms {
  public:
+  // Row i is summed over groups[row_group[i]] after division by replicas[i].
   PieceNorms(std::map<const c10::TensorImpl*, int64_t> index, std::vector<at::Tensor> module_params,
-             comm::CommunicatorPtr data, double replicas, WholeNormsPtr outer)
+             std::vector<comm::CommunicatorPtr> groups, const std::vector<size_t>& row_group,
+             const std::vector<double>& replicas, WholeNormsPtr outer)
       : index_(std::move(index)),
         module_params_(std::move(module_params)),
-        data_(std::move(data)),
-        replicas_(replicas),
-        outer_(std::move(outer)) {}
+        groups_(std::move(groups)),
+        outer_(std::move(outer)) {
+    const auto rows = static_cast<int64_t>(module_params_.size());
+    replicas_ = at::ones({rows, 1}, at::kDouble);
+    for (size_t g = 0; g < groups_.size(); ++g) masks_.push_back(at::zeros({rows, 1}, at::kDouble));
+    for (int64_t i = 0; i < rows; ++i) {
+      replicas_[i] = replicas.at(static_cast<size_t>(i));
+      masks_.at(row_group.at(static_cast<size_t>(i)))[i] = 1.0;
+    }
+  }
 
   void reduce(const std::vector<at::Tensor>& pieces, at::Tensor& squares) const override {
     at::Tensor table = whole_table(pieces, squares);
@@ -70,16 +81,27 @@ class PieceNorms : public WholeNorms {
   at::Tensor whole_table(const std::vector<at::Tensor>& pieces, const at::Tensor& squares) const {
     at::Tensor table = at::zeros({static_cast<int64_t>(module_params_.size()), squares.size(1)}, at::kDouble);
     for (size_t i = 0; i < pieces.size(); ++i) table[row(pieces[i])] += squares[static_cast<int64_t>(i)];
-    if (replicas_ != 1.0) table.div_(replicas_);
-    data_->all_reduce(table);
+    table.div_(replicas_);
+    if (groups_.size() == 1) {
+      groups_[0]->all_reduce(table);
+    } else {  // each row over its own group, the groups in the same order on every rank
+      at::Tensor summed = at::zeros_like(table);
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        at::Tensor part = table * masks_[g];
+        groups_[g]->all_reduce(part);
+        summed += part;
+      }
+      table = summed;
+    }
     if (outer_) outer_->reduce(module_params_, table);
     return table;
   }
 
   std::map<const c10::TensorImpl*, int64_t> index_;  // piece -> row of its module parameter
   std::vector<at::Tensor> module_params_;
-  comm::CommunicatorPtr data_;
-  double replicas_;
+  std::vector<comm::CommunicatorPtr> groups_;
+  std::vector<at::Tensor> masks_;  // [P, 1] per group: its rows
+  at::Tensor replicas_;            // [P, 1]
   WholeNormsPtr outer_;
 };
 
@@ -97,8 +119,8 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   TORCH_CHECK(options_.offload() || !module_->options().offload_params(),
               "ShardedOptimizer: the module keeps its parameter shards in CPU memory (offload_params), so the "
               "optimizer must step there too; set ShardedOptimizerOptions().offload(true)");
-  const int d = module_->degrees().optim;
-  const ShardLayout& layout = module_->layout();
+  // Each bucket's optimizer degree, over the group its layout spans.
+  auto optim_degree = [&](size_t b) { return module_->bucket(b).layout().degrees().optim; };
 
   std::map<const void*, std::pair<size_t, size_t>> where;  // TensorImpl -> (bucket, slot)
   for (size_t b = 0; b < module_->num_buckets(); ++b) {
@@ -107,12 +129,12 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   }
   bool other_dtype = false;
   for (size_t b = 0; b < module_->num_buckets(); ++b)
-    other_dtype |= module_->bucket(b).param_chunk(d).scalar_type() != options_.master_dtype();
+    other_dtype |= module_->bucket(b).param_chunk(optim_degree(b)).scalar_type() != options_.master_dtype();
   if (options_.offload() || other_dtype) {  // Note [Master copies]
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < module_->num_buckets(); ++b) {
       FlatBucket& bucket = module_->bucket(b);
-      at::Tensor chunk = bucket.param_chunk(d);
+      at::Tensor chunk = bucket.param_chunk(optim_degree(b));
       auto where_to = chunk.options().dtype(options_.master_dtype());
       if (options_.offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
       Master o;
@@ -132,12 +154,21 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   // the same on every data rank (Note [Whole-parameter norms]).
   std::vector<at::Tensor> module_params;
   std::map<const c10::TensorImpl*, int64_t> param_row, piece_row;
+  std::vector<comm::CommunicatorPtr> norm_groups;
+  std::vector<size_t> row_group;
+  std::vector<double> row_replicas;
   for (size_t b = 0; b < module_->num_buckets(); ++b) {
+    const ShardLayout& layout = module_->bucket(b).layout();
+    auto g = std::find(norm_groups.begin(), norm_groups.end(), layout.group());
+    if (g == norm_groups.end()) g = norm_groups.insert(norm_groups.end(), layout.group());
     for (const ParamSlot& slot : module_->bucket(b).slots()) {
       param_row[slot.param.unsafeGetTensorImpl()] = static_cast<int64_t>(module_params.size());
       module_params.push_back(slot.param);
+      row_group.push_back(static_cast<size_t>(g - norm_groups.begin()));
+      row_replicas.push_back(static_cast<double>(layout.dp()) / optim_degree(b));
     }
   }
+  if (norm_groups.empty()) norm_groups.push_back(module_->group());
 
   for (auto& group : optimizer_->param_groups()) {
     std::vector<at::Tensor> pieces;
@@ -149,7 +180,8 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
       const size_t b = it->second.first;
       FlatBucket& bucket = module_->bucket(b);
       const ParamSlot& slot = bucket.slots()[it->second.second];
-      const int64_t chunk_begin = layout.chunk_offset(bucket.numel(), d);
+      const int d = optim_degree(b);
+      const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
       const int64_t chunk_size = bucket.numel() / d;
       const int64_t begin = std::max(slot.offset, chunk_begin);
       const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + chunk_size);
@@ -166,8 +198,8 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   }
 
   skip_step();  // the pieces' gradient views exist; the master gradients' memory waits for a step
-  const double replicas = static_cast<double>(module_->group()->size()) / d;
-  norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), module_->group(), replicas,
+  norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), std::move(norm_groups),
+                                        row_group, row_replicas,
                                         options_.whole_norms());
   if (auto* aware = dynamic_cast<NormAware*>(optimizer_.get())) aware->set_whole_norms(norms_);
 }
@@ -176,12 +208,11 @@ void ShardedOptimizer::load_master_grads() {
   module_->finish_gradient_sync();
   if (masters_.empty() || master_grads_ready_) return;
   at::NoGradGuard no_grad;
-  const int d = module_->degrees().optim;
   for (size_t b = 0; b < masters_.size(); ++b) {
     FlatBucket& bucket = module_->bucket(b);
     at::Tensor& g = masters_[b].master_grad;
     detail::restore_storage(g, g.numel() * static_cast<int64_t>(g.element_size()));
-    g.copy_(bucket.grad_chunk(d), /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
+    g.copy_(bucket.grad_chunk(bucket.layout().degrees().optim), /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
   }
   if (options_.offload())
     for (size_t b = 0; b < masters_.size(); ++b) sync_device(module_->bucket(b).device());
@@ -236,10 +267,9 @@ void ShardedOptimizer::step() {
 
 void ShardedOptimizer::copy_masters_to_params() {
   at::NoGradGuard no_grad;
-  const int d = module_->degrees().optim;
   for (size_t b = 0; b < masters_.size(); ++b) {
     FlatBucket& bucket = module_->bucket(b);
-    at::Tensor chunk = bucket.param_chunk(d);
+    at::Tensor chunk = bucket.param_chunk(bucket.layout().degrees().optim);
     if (!chunk.is_same(masters_[b].master))
       chunk.copy_(masters_[b].master, options_.offload() && bucket.device().is_cuda());
   }
@@ -293,7 +323,8 @@ int64_t ShardedOptimizer::state_bytes() const {
     for (const auto& t : listed->state_tensors()) add_storage(seen, bytes, t);
   for (size_t b = 0; b < masters_.size(); ++b) {
     // Master copies that are not the parameter shard itself count as optimizer state.
-    if (!masters_[b].master.is_same(module_->bucket(b).param_chunk(module_->degrees().optim)))
+    const FlatBucket& bucket = module_->bucket(b);
+    if (!masters_[b].master.is_same(bucket.param_chunk(bucket.layout().degrees().optim)))
       add_storage(seen, bytes, masters_[b].master);
     add_storage(seen, bytes, masters_[b].master_grad);
   }

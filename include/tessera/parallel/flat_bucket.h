@@ -42,6 +42,8 @@ class FlatBucket {
   int64_t element_size() const;
   at::Device device() const { return device_; }
   bool materialized() const { return materialize_; }
+  // The layout of the group the bucket's parameters are replicated over.
+  const ShardLayout& layout() const { return layout_; }
 
   // Full parameters (materialized buckets only; others are always full).
   void start_gather();

@@ -62,6 +62,8 @@ class ShardLayout {
   ShardLayout(comm::CommunicatorPtr data, ShardDegrees degrees);
 
   const ShardDegrees& degrees() const { return degrees_; }
+  // The group the layout spans (the data group, or a parameter's replica group).
+  const comm::CommunicatorPtr& group() const { return data_; }
   int dp() const { return dp_; }
   int rank() const { return rank_; }
   // The largest degree: flat buffers are padded to a multiple of it.

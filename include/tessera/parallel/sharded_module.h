@@ -74,9 +74,10 @@ struct ShardedModuleOptions {
   // placements(), nn/placement.h); parameters not listed are whole and
   // replicated. Parameters whose gradients are partial over other groups
   // (gradient_groups()) go into buckets per set of such groups, and their
-  // reduced gradient chunks are summed over those groups too. A replica
-  // group other than the wrapper's own is refused until expert parallelism
-  // lands.
+  // reduced gradient chunks are summed over those groups too. Parameters
+  // whose replica group is a sub-group of the wrapper's (expert parameters:
+  // the expert-data group) are broadcast, sharded and reduced within it
+  // (Note [Replica groups] in sharded_module.cpp).
   TORCH_ARG(nn::NamedPlacements, placements) = {};
 
  public:
@@ -114,6 +115,8 @@ class ShardedModule {
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const ShardedModuleOptions& options() const { return options_; }
+  // The wrapper group's degrees and layout; a bucket of parameters with
+  // another replica group has its own (bucket(i).layout()).
   const ShardDegrees& degrees() const;
   const ShardLayout& layout() const;
   const comm::CommunicatorPtr& group() const { return group_; }
