@@ -1,0 +1,171 @@
+// 2D (q x q) and 2.5D (q x q x d) tensor parallelism against plain LibTorch:
+// the SUMMA products on their own, and Linear2D's output, input gradient,
+// parameter gradients and 5 AdamW steps. 4 ranks run 2D with q = 2, 8 ranks
+// 2.5D with q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
+#include "test_util.h"
+
+#include "tessera/comm/factory.h"
+#include "tessera/comm/tracing_communicator.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/nn/linear_2d.h"
+#include "tessera/nn/placement.h"
+#include "tessera/nn/summa.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace tessera {
+namespace {
+
+constexpr double kTolerance = 1e-5;
+
+// The grid of this world size: row, col, depth and the batch group (xz in 2.5D).
+struct Grid {
+  comm::CommunicatorPtr row, col, depth, batch;
+  int q = 1, d = 1;
+  int i() const { return col->rank(); }  // grid row
+  int j() const { return row->rank(); }  // grid column
+  std::string what() const { return "q " + std::to_string(q) + ", depth " + std::to_string(d); }
+};
+
+bool make_grid(Grid* g, comm::CommunicatorPtr world = test::world()) {
+  const int n = world->size();
+  if (n == 4) {
+    auto ctx = context::ParallelContext::create(world, context::ParallelConfig().tensor(4).tensor_mode(
+                                                           context::TensorMode::k2D));
+    *g = {ctx->comm(context::ParallelMode::k2DRow), ctx->comm(context::ParallelMode::k2DCol), nullptr,
+          ctx->comm(context::ParallelMode::k2DCol), 2, 1};
+    return true;
+  }
+  if (n == 8) {
+    auto ctx = context::ParallelContext::create(
+        world,
+        context::ParallelConfig().tensor(8).tensor_mode(context::TensorMode::k2p5D).tensor_depth(2));
+    *g = {ctx->comm(context::ParallelMode::k2p5DRow), ctx->comm(context::ParallelMode::k2p5DCol),
+          ctx->comm(context::ParallelMode::k2p5DDep), ctx->comm(context::ParallelMode::k2p5DXZ), 2, 2};
+    return true;
+  }
+  if (n == 1) {
+    auto self = world->split(0, 0, "self");
+    *g = {self, self, nullptr, self, 1, 1};
+    return true;
+  }
+  return false;
+}
+
+// Block (r, c) of a 2-D tensor cut into rr x cc blocks.
+at::Tensor block(const at::Tensor& t, int64_t r, int64_t c, int64_t rr, int64_t cc) {
+  const int64_t h = t.size(0) / rr, w = t.size(1) / cc;
+  return t.narrow(0, r * h, h).narrow(1, c * w, w).contiguous();
+}
+
+TEST(Summa, ThreeProductsEqualSerial) {
+  Grid g;
+  if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
+  const int64_t m = 6 * g.q, k = 4 * g.q, n = 10 * g.q;
+  const at::Tensor a = test::seeded_randn({m, k}, 1), b = test::seeded_randn({k, n}, 2);
+  const at::Tensor c = test::seeded_randn({m, n}, 3);  // plays dC in the backward products
+  const int i = g.i(), j = g.j(), q = g.q;
+  const at::Tensor ab = nn::raw::summa_ab(block(a, i, j, q, q), block(b, i, j, q, q), *g.row, *g.col);
+  EXPECT_LE(test::rel_error(ab, block(at::mm(a, b), i, j, q, q)), kTolerance) << g.what();
+  // dA = dC·Bᵀ in A's layout; dB = Aᵀ·dC in B's layout.
+  const at::Tensor abt = nn::raw::summa_abt(block(c, i, j, q, q), block(b, i, j, q, q), *g.row, *g.col);
+  EXPECT_LE(test::rel_error(abt, block(at::mm(c, b.t()), i, j, q, q)), kTolerance) << g.what();
+  const at::Tensor atb = nn::raw::summa_atb(block(a, i, j, q, q), block(c, i, j, q, q), *g.row, *g.col);
+  EXPECT_LE(test::rel_error(atb, block(at::mm(a.t(), c), i, j, q, q)), kTolerance) << g.what();
+}
+
+constexpr int64_t kBatch = 8, kSeq = 3, kIn = 12, kOut = 20;
+constexpr int kSteps = 5;
+
+// Rows of the batch on this rank: block i (2D) or block i + q·k (2.5D, the xz group's rank).
+at::Tensor local_activation(const at::Tensor& full, const Grid& g) {
+  const int64_t parts = g.batch->size(), rows = full.size(0) / parts;
+  const int64_t cols = full.size(-1) / g.q;
+  return full.narrow(0, g.batch->rank() * rows, rows).narrow(-1, g.j() * cols, cols).contiguous();
+}
+
+at::Tensor input(int step) { return test::seeded_randn({kBatch, kSeq, kIn}, 10 + step); }
+at::Tensor probe(int step) { return test::seeded_randn({kBatch, kSeq, kOut}, 20 + step); }
+
+TEST(Linear2D, OutputGradientsAndAdamWStepsEqualSerial) {
+  Grid g;
+  if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
+  torch::manual_seed(7);
+  torch::nn::Linear serial(kIn, kOut);
+  nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
+  layer->load_full(serial->weight.detach(), serial->bias.detach());
+  EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach())) << g.what();
+
+  torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  torch::optim::AdamW opt(layer->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  const auto placements = layer->local_placements();
+  for (int step = 0; step < kSteps; ++step) {
+    const std::string at_step = g.what() + ", step " + std::to_string(step);
+    serial_opt.zero_grad();
+    opt.zero_grad();
+    // Loss = Σ y·probe over the whole batch: every output element's gradient is known.
+    at::Tensor x_full = input(step).requires_grad_();
+    at::Tensor y_full = serial->forward(x_full);
+    (y_full * probe(step)).sum().backward();
+
+    at::Tensor x = local_activation(input(step), g).requires_grad_();
+    at::Tensor y = layer->forward(x);
+    EXPECT_LE(test::rel_error(y.detach(), local_activation(y_full.detach(), g)), kTolerance) << "output, " << at_step;
+    (y * local_activation(probe(step), g)).sum().backward();
+    EXPECT_LE(test::rel_error(x.grad(), local_activation(x_full.grad(), g)), kTolerance) << "input grad, " << at_step;
+
+    nn::reduce_partial_gradients(placements);
+    EXPECT_LE(test::rel_error(nn::full_value(placements[0].second, true), serial->weight.grad()), kTolerance)
+        << "weight grad, " << at_step;
+    EXPECT_LE(test::rel_error(nn::full_value(placements[1].second, true), serial->bias.grad()), kTolerance)
+        << "bias grad, " << at_step;
+    serial_opt.step();
+    opt.step();
+  }
+  EXPECT_LE(test::rel_error(layer->full_weight(), serial->weight.detach()), kTolerance) << g.what();
+  EXPECT_LE(test::rel_error(layer->full_bias(), serial->bias.detach()), kTolerance) << g.what();
+}
+
+// One forward and backward of a linear layer moves, per rank, q broadcasts
+// of the activation block A and of the weight block B (forward), q of B and
+// q reduces of A (dA = dC·Bᵀ), q of A and q reduces of B (dB = Aᵀ·dC):
+// row group 2q·|A| broadcast + q·|A| reduced, col group 2q·|B| + q·|B|
+// (the traced size of each call, Note [Trace byte counts]). Of these a rank
+// receives all but its own turn: 3(q-1)(|A| + |B|) in all.
+TEST(Linear2D, TracedBytesEqualTheSummaFormula) {
+  comm::WorldOptions options;
+  options.trace = std::make_shared<comm::CommTrace>();
+  Grid g;
+  if (!make_grid(&g, comm::make_world_communicator(options)) || g.q == 1) GTEST_SKIP() << "runs at 4 and 8 ranks";
+  nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
+  at::Tensor x = local_activation(input(0), g).requires_grad_();
+  options.trace->reset();
+  layer->forward(x).sum().backward();
+  const int64_t q = g.q, a_bytes = x.numel() * 4, b_bytes = layer->weight.numel() * 4;
+  const auto row_bcast = options.trace->get(g.row->name(), comm::OpType::kBroadcast);
+  const auto row_reduce = options.trace->get(g.row->name(), comm::OpType::kReduce);
+  const auto col_bcast = options.trace->get(g.col->name(), comm::OpType::kBroadcast);
+  const auto col_reduce = options.trace->get(g.col->name(), comm::OpType::kReduce);
+  EXPECT_EQ(row_bcast.calls, 2 * q);
+  EXPECT_EQ(row_bcast.bytes, 2 * q * a_bytes);
+  EXPECT_EQ(row_reduce.calls, q);
+  EXPECT_EQ(row_reduce.bytes, q * a_bytes);
+  EXPECT_EQ(col_bcast.calls, 2 * q);
+  EXPECT_EQ(col_bcast.bytes, 2 * q * b_bytes);
+  EXPECT_EQ(col_reduce.calls, q);
+  EXPECT_EQ(col_reduce.bytes, q * b_bytes);
+  EXPECT_EQ(options.trace->total().bytes, 3 * q * (a_bytes + b_bytes)) << options.trace->to_string();
+}
+
+TEST(Linear2D, BadShapesAreRefused) {
+  Grid g;
+  if (!make_grid(&g) || g.q == 1) GTEST_SKIP() << "runs at 4 and 8 ranks";
+  EXPECT_ERROR_CONTAINS(nn::Linear2D(nn::Linear2DOptions(kIn, 21), g.row, g.col, g.depth),
+                        "Linear2D out_features (21) is not divisible", "choose sizes divisible by q");
+  nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
+  EXPECT_ERROR_CONTAINS(layer->forward(at::zeros({2, kIn})), "Linear2D: input has 12 features", "= 6 expected");
+}
+
+}  // namespace
+}  // namespace tessera
