@@ -1,12 +1,13 @@
 // 2D (q x q) and 2.5D (q x q x d) tensor parallelism against plain LibTorch:
-// the SUMMA products on their own, and Linear2D's output, input gradient,
-// parameter gradients and 5 AdamW steps. 4 ranks run 2D with q = 2, 8 ranks
+// the SUMMA products on their own, and the output, input gradient,
+// parameter gradients and 5 AdamW steps of Linear2D and LayerNorm2D. 4 ranks run 2D with q = 2, 8 ranks
 // 2.5D with q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
 #include "tessera/comm/tracing_communicator.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/nn/layer_norm_2d.h"
 #include "tessera/nn/linear_2d.h"
 #include "tessera/nn/placement.h"
 #include "tessera/nn/summa.h"
@@ -125,6 +126,54 @@ TEST(Linear2D, OutputGradientsAndAdamWStepsEqualSerial) {
   }
   EXPECT_LE(test::rel_error(layer->full_weight(), serial->weight.detach()), kTolerance) << g.what();
   EXPECT_LE(test::rel_error(layer->full_bias(), serial->bias.detach()), kTolerance) << g.what();
+}
+
+TEST(LayerNorm2D, OutputGradientsAndAdamWStepsEqualSerial) {
+  Grid g;
+  if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
+  constexpr int64_t kHidden = 12;
+  torch::nn::LayerNorm serial(torch::nn::LayerNormOptions({kHidden}));
+  nn::LayerNorm2D layer(nn::LayerNorm2DOptions(kHidden), g.row, g.col, g.depth);
+  const auto placements = layer->local_placements();
+  {  // Weights other than ones and zeros, so that their gradients matter.
+    at::NoGradGuard no_grad;
+    serial->weight.copy_(1.0 + 0.3 * test::seeded_randn({kHidden}, 31));
+    serial->bias.copy_(0.2 * test::seeded_randn({kHidden}, 32));
+    nn::load_full(placements[0].second, serial->weight);
+    nn::load_full(placements[1].second, serial->bias);
+  }
+  torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  torch::optim::AdamW opt(layer->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  for (int step = 0; step < kSteps; ++step) {
+    const std::string at_step = g.what() + ", step " + std::to_string(step);
+    serial_opt.zero_grad();
+    opt.zero_grad();
+    // An offset and scale per token so that the statistics are not trivial.
+    const at::Tensor x_in = 3.0 * test::seeded_randn({kBatch, kSeq, kHidden}, 40 + step) + 1.5;
+    const at::Tensor p = test::seeded_randn({kBatch, kSeq, kHidden}, 50 + step);
+    at::Tensor x_full = x_in.clone().requires_grad_();
+    at::Tensor y_full = serial->forward(x_full);
+    (y_full * p).sum().backward();
+
+    at::Tensor x = local_activation(x_in, g).requires_grad_();
+    at::Tensor y = layer->forward(x);
+    EXPECT_LE(test::rel_error(y.detach(), local_activation(y_full.detach(), g)), kTolerance) << "output, " << at_step;
+    (y * local_activation(p, g)).sum().backward();
+    EXPECT_LE(test::rel_error(x.grad(), local_activation(x_full.grad(), g)), kTolerance) << "input grad, " << at_step;
+    nn::reduce_partial_gradients(placements);
+    EXPECT_LE(test::rel_error(nn::full_value(placements[0].second, true), serial->weight.grad()), kTolerance)
+        << "weight grad, " << at_step;
+    EXPECT_LE(test::rel_error(nn::full_value(placements[1].second, true), serial->bias.grad()), kTolerance)
+        << "bias grad, " << at_step;
+    serial_opt.step();
+    opt.step();
+  }
+  EXPECT_LE(test::rel_error(nn::full_value(placements[0].second), serial->weight.detach()), kTolerance) << g.what();
+  EXPECT_LE(test::rel_error(nn::full_value(placements[1].second), serial->bias.detach()), kTolerance) << g.what();
+  if (g.q > 1) {
+    EXPECT_ERROR_CONTAINS(nn::LayerNorm2D(nn::LayerNorm2DOptions(13), g.row, g.col, g.depth),
+                          "LayerNorm2D hidden (13) is not divisible");
+  }
 }
 
 // One forward and backward of a linear layer moves, per rank, q broadcasts
