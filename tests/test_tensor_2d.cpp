@@ -1,6 +1,7 @@
 // 2D (q x q) and 2.5D (q x q x d) tensor parallelism against plain LibTorch:
 // the SUMMA products on their own, and the output, input gradient,
-// parameter gradients and 5 AdamW steps of Linear2D and LayerNorm2D. 4 ranks run 2D with q = 2, 8 ranks
+// parameter gradients and 5 AdamW steps of Linear2D, LayerNorm2D and
+// VocabEmbedding2D. 4 ranks run 2D with q = 2, 8 ranks
 // 2.5D with q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
 #include "test_util.h"
 
@@ -11,6 +12,7 @@
 #include "tessera/nn/linear_2d.h"
 #include "tessera/nn/placement.h"
 #include "tessera/nn/summa.h"
+#include "tessera/nn/vocab_embedding_2d.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -174,6 +176,52 @@ TEST(LayerNorm2D, OutputGradientsAndAdamWStepsEqualSerial) {
     EXPECT_ERROR_CONTAINS(nn::LayerNorm2D(nn::LayerNorm2DOptions(13), g.row, g.col, g.depth),
                           "LayerNorm2D hidden (13) is not divisible");
   }
+}
+
+// V = 11 pads to 12 rows at q = 2: the padded row is never looked up.
+TEST(VocabEmbedding2D, OutputGradientsAndAdamWStepsEqualSerial) {
+  Grid g;
+  if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
+  constexpr int64_t kVocab = 11, kHidden = 12;
+  torch::manual_seed(3);
+  torch::nn::Embedding serial(kVocab, kHidden);
+  nn::VocabEmbedding2D layer(nn::VocabEmbedding2DOptions(kVocab, kHidden), g.row, g.col, g.depth);
+  layer->load_full(serial->weight.detach());
+  EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach())) << g.what();
+  const auto placements = layer->local_placements();
+  torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  torch::optim::AdamW opt(layer->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
+  for (int step = 0; step < kSteps; ++step) {
+    const std::string at_step = g.what() + ", step " + std::to_string(step);
+    serial_opt.zero_grad();
+    opt.zero_grad();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(60 + step);
+    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
+    const at::Tensor p = test::seeded_randn({kBatch, kSeq, kHidden}, 70 + step);
+    at::Tensor y_full = serial->forward(ids);
+    (y_full * p).sum().backward();
+
+    const int64_t rows = kBatch / g.batch->size();
+    at::Tensor y = layer->forward(ids.narrow(0, g.batch->rank() * rows, rows).contiguous());
+    EXPECT_LE(test::rel_error(y.detach(), local_activation(y_full.detach(), g)), kTolerance) << "output, " << at_step;
+    (y * local_activation(p, g)).sum().backward();
+    nn::reduce_partial_gradients(placements);
+    EXPECT_LE(test::rel_error(nn::full_value(placements[0].second, true), serial->weight.grad()), kTolerance)
+        << "weight grad, " << at_step;
+    serial_opt.step();
+    opt.step();
+  }
+  EXPECT_LE(test::rel_error(layer->full_weight(), serial->weight.detach()), kTolerance) << g.what();
+}
+
+// A bad id in one grid row's (or one depth layer's) batch block only: every rank throws.
+TEST(VocabEmbedding2D, BadIdOnOneBlockIsRefusedEverywhere) {
+  Grid g;
+  if (!make_grid(&g) || g.q == 1) GTEST_SKIP() << "runs at 4 and 8 ranks";
+  nn::VocabEmbedding2D layer(nn::VocabEmbedding2DOptions(11, 12), g.row, g.col, g.depth);
+  at::Tensor ids = at::zeros({2, 3}, at::kLong);
+  if (g.batch->rank() == g.batch->size() - 1) ids[1][2] = 11;
+  EXPECT_ERROR_CONTAINS(layer->forward(ids), "token id 11 is out of range", "[0, num_embeddings = 11)");
 }
 
 // One forward and backward of a linear layer moves, per rank, q broadcasts
