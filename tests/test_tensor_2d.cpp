@@ -12,6 +12,7 @@
 #include "tessera/nn/linear_2d.h"
 #include "tessera/nn/placement.h"
 #include "tessera/nn/summa.h"
+#include "tessera/nn/vocab_parallel_cross_entropy.h"
 #include "tessera/nn/vocab_embedding_2d.h"
 
 #include <gtest/gtest.h>
@@ -222,6 +223,69 @@ TEST(VocabEmbedding2D, BadIdOnOneBlockIsRefusedEverywhere) {
   at::Tensor ids = at::zeros({2, 3}, at::kLong);
   if (g.batch->rank() == g.batch->size() - 1) ids[1][2] = 11;
   EXPECT_ERROR_CONTAINS(layer->forward(ids), "token id 11 is out of range", "[0, num_embeddings = 11)");
+}
+
+// The 2D layers in a chain, as a GPT's ends use them: embedding, layer norm,
+// linear, and the tied head logits = h·Eᵀ (summa_matmul_nt) whose vocabulary
+// blocks lie on the row group, so the 1D vocabulary-parallel cross entropy
+// runs over it. Loss, every gradient and 3 AdamW steps against plain LibTorch.
+TEST(Tensor2D, TiedHeadChainEqualsSerial) {
+  Grid g;
+  if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
+  constexpr int64_t kVocab = 11, kHidden = 12;
+  torch::manual_seed(5);
+  torch::nn::Embedding s_emb(kVocab, kHidden);
+  torch::nn::LayerNorm s_ln(torch::nn::LayerNormOptions({kHidden}));
+  torch::nn::Linear s_fc(kHidden, kHidden);
+  nn::VocabEmbedding2D emb(nn::VocabEmbedding2DOptions(kVocab, kHidden), g.row, g.col, g.depth);
+  nn::LayerNorm2D ln(nn::LayerNorm2DOptions(kHidden), g.row, g.col, g.depth);
+  nn::Linear2D fc(nn::Linear2DOptions(kHidden, kHidden), g.row, g.col, g.depth);
+  emb->load_full(s_emb->weight.detach());
+  fc->load_full(s_fc->weight.detach(), s_fc->bias.detach());
+  nn::NamedPlacements placements;
+  for (const auto& [prefix, m] : std::vector<std::pair<std::string, nn::PlacedModule*>>{
+           {"emb.", emb.get()}, {"ln.", ln.get()}, {"fc.", fc.get()}})
+    for (auto& [name, p] : m->local_placements()) placements.emplace_back(prefix + name, p);
+  std::vector<at::Tensor> serial_params, params;
+  for (auto* m : std::vector<torch::nn::Module*>{s_emb.get(), s_ln.get(), s_fc.get()})
+    for (const auto& p : m->parameters()) serial_params.push_back(p);
+  for (const auto& [name, p] : placements) params.push_back(p.param);
+  torch::optim::AdamW serial_opt(serial_params, torch::optim::AdamWOptions(0.02));
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(0.02));
+  const int64_t parts = g.batch->size(), rows = kBatch / parts;
+  for (int step = 0; step < 3; ++step) {
+    const std::string at_step = g.what() + ", step " + std::to_string(step);
+    serial_opt.zero_grad();
+    opt.zero_grad();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(80 + step);
+    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
+    const at::Tensor targets = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
+    at::Tensor h = s_fc->forward(s_ln->forward(s_emb->forward(ids)));
+    at::Tensor serial_loss = torch::nn::functional::cross_entropy(
+        at::matmul(h, s_emb->weight.t()).reshape({-1, kVocab}), targets.reshape({-1}));
+    serial_loss.backward();
+
+    const at::Tensor my_ids = ids.narrow(0, g.batch->rank() * rows, rows).contiguous();
+    const at::Tensor my_targets = targets.narrow(0, g.batch->rank() * rows, rows).contiguous();
+    at::Tensor x = fc->forward(ln->forward(emb->forward(my_ids)));
+    at::Tensor logits = nn::summa_matmul_nt(x, emb->weight, g.row, g.col);
+    at::Tensor loss = nn::vocab_parallel_cross_entropy(logits, my_targets, g.row,
+                                                       nn::VocabParallelCrossEntropyOptions().vocab_size(kVocab));
+    (loss / static_cast<double>(parts)).backward();
+    at::Tensor mean = loss.detach().reshape({1}).to(at::kDouble);
+    g.batch->all_reduce(mean);
+    EXPECT_NEAR(mean.item<double>() / parts, serial_loss.item<double>(), kTolerance * serial_loss.item<double>())
+        << "loss, " << at_step;
+    nn::reduce_partial_gradients(placements);
+    for (size_t k = 0; k < placements.size(); ++k)
+      EXPECT_LE(test::rel_error(nn::full_value(placements[k].second, true), serial_params[k].grad()), kTolerance)
+          << placements[k].first << " grad, " << at_step;
+    serial_opt.step();
+    opt.step();
+  }
+  for (size_t k = 0; k < placements.size(); ++k)
+    EXPECT_LE(test::rel_error(nn::full_value(placements[k].second), serial_params[k].detach()), kTolerance)
+        << placements[k].first << ", " << g.what();
 }
 
 // One forward and backward of a linear layer moves, per rank, q broadcasts

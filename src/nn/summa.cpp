@@ -130,7 +130,38 @@ struct SummaMatmul : torch::autograd::Function<SummaMatmul> {
   }
 };
 
+struct SummaMatmulNT : torch::autograd::Function<SummaMatmulNT> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, comm::CommunicatorPtr row,
+                            comm::CommunicatorPtr col) {
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["groups"] = at::IValue::make_capsule(c10::make_intrusive<Groups>(row, col));
+    std::vector<int64_t> shape = a.sizes().vec();
+    shape.back() = b.size(0);
+    return raw::summa_abt(a.reshape({-1, a.size(-1)}), b, *row, *col).view(shape);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& a = saved[0];
+    const at::Tensor& b = saved[1];
+    auto capsule = ctx->saved_data["groups"].toCapsule();
+    auto* g = static_cast<Groups*>(capsule.get());
+    const at::Tensor dc = grads[0].reshape({-1, grads[0].size(-1)});
+    at::Tensor da = raw::summa_ab(dc, b, *g->row, *g->col).view(a.sizes());
+    at::Tensor db = raw::summa_atb(dc, a.reshape({-1, a.size(-1)}), *g->row, *g->col);
+    return {da, db, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor summa_matmul_nt(const at::Tensor& a, const at::Tensor& b, const comm::CommunicatorPtr& row,
+                           const comm::CommunicatorPtr& col) {
+  TORCH_CHECK(row && col, "summa_matmul_nt: the row and column groups must not be null");
+  TORCH_CHECK(a.dim() >= 1 && b.dim() == 2 && a.size(-1) == b.size(1), "summa_matmul_nt: local blocks of shape ",
+              a.sizes(), " and ", b.sizes(), " do not multiply as A·Bᵀ; A's last dimension must equal B's second");
+  if (row->size() == 1 && col->size() == 1) return at::matmul(a, b.t());
+  return SummaMatmulNT::apply(a, b, row, col);
+}
 
 at::Tensor summa_matmul(const at::Tensor& a, const at::Tensor& b, const comm::CommunicatorPtr& row,
                         const comm::CommunicatorPtr& col) {

@@ -33,6 +33,12 @@ namespace nn {
 at::Tensor summa_matmul(const at::Tensor& a, const at::Tensor& b, const comm::CommunicatorPtr& row,
                         const comm::CommunicatorPtr& col);
 
+// C = A·Bᵀ with A [..., k/q] and B [n/q, k/q] (B's block (s, t) on rank
+// (s, t)); returns [..., n/q]: the product of a tied LM head, logits =
+// h·Eᵀ with the embedding table E. Backward: dA = dC·B and dB = dCᵀ·A.
+at::Tensor summa_matmul_nt(const at::Tensor& a, const at::Tensor& b, const comm::CommunicatorPtr& row,
+                           const comm::CommunicatorPtr& col);
+
 namespace raw {
 // The three products on 2-D blocks, without autograd (Note [SUMMA]).
 at::Tensor summa_ab(const at::Tensor& a, const at::Tensor& b, comm::Communicator& row, comm::Communicator& col);
