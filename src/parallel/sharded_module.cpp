@@ -299,8 +299,10 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
         return position[a.param.unsafeGetTensorImpl()] < position[b.param.unsafeGetTensorImpl()];
       });
     }
+    // A parameter registered twice (a tied embedding in a Sequential's first
+    // and last layers) gets one slot: two would reduce and count it twice.
     for (const auto& p : module_->named_parameters(true)) {
-      if (p.value().requires_grad() && !claimed.count(p.value().unsafeGetTensorImpl()))
+      if (p.value().requires_grad() && claimed.insert(p.value().unsafeGetTensorImpl()).second)
         rest.push_back(make_slot(p.key(), p.value()));
     }
   }
@@ -377,8 +379,10 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     for (size_t u = units.size(); u-- > 0;) s.unit_buckets[u] = add_buckets(std::move(unit_params[u]), 0);
   } else {
     std::vector<ParamSlot> all;
+    std::set<const void*> seen;  // one slot per parameter, as above
     for (const auto& p : module_->named_parameters(true))
-      if (p.value().requires_grad()) all.push_back(make_slot(p.key(), p.value()));
+      if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second)
+        all.push_back(make_slot(p.key(), p.value()));
     add_buckets(std::move(all), options_.bucket_bytes());
     s.unit_names = units.empty() ? std::vector<std::string>{""} : units;
     s.unit_buckets.resize(s.unit_names.size());
