@@ -5,6 +5,7 @@
 // the analytical count.
 #include "test_util.h"
 
+#include "gpt_weights.h"
 #include "reference_gpt.h"
 
 #include "tessera/comm/tracing_communicator.h"
@@ -28,26 +29,11 @@ std::shared_ptr<nn::LayerFactory> factory(const comm::CommunicatorPtr& group, bo
   return nn::make_1d_factory(group, sp, 1234, 5678);
 }
 
-comm::CommunicatorPtr self_group() {
-  auto w = test::world();
-  return w->split(w->rank(), 0, "self");
-}
-
-// Full weights of tessera's GPT-2 initialisation from `seed` (the same
-// whatever the layout): the weights both sides load. Tessera's GPT serves as
-// the source of weights only; the serial computation is the reference GPT's.
 std::map<std::string, at::Tensor> initial_weights(const models::GPTConfig& c, uint64_t seed) {
-  torch::manual_seed(seed);
-  models::GPT source(c, factory(self_group(), false));
-  std::map<std::string, at::Tensor> out;
-  for (const auto& entry : source->full_state()) out[entry.first] = entry.second.clone();
-  return out;
+  return test::gpt_initial_weights(c, seed);
 }
 
-at::Tensor seeded_ids(uint64_t seed, int64_t vocab) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(vocab, {kBatch, kSeq}, gen, at::kLong);
-}
+at::Tensor seeded_ids(uint64_t seed, int64_t vocab) { return test::seeded_token_ids(seed, vocab, kBatch, kSeq); }
 
 // Full logits [b, s, vocab] from every rank's vocabulary shard.
 at::Tensor full_logits(const at::Tensor& shard, const comm::Communicator& tp, int64_t vocab) {

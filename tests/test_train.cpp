@@ -1,11 +1,13 @@
 // The trainer and its checkpoints on tessera's GPT. Trainer: 3 steps of
 // SGD-momentum with warm-up and clipping equal to the serial reference GPT
 // (tests/reference_gpt.h: plain LibTorch, nothing from tessera; 1e-5) in
-// every configuration the world allows. Checkpoints: resuming reproduces the
-// losses bit for bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at
-// dp4 x tp2, tp4 x dp2 and in one process with the same loss, and one more
-// step from the loaded optimizer state gives the same loss too; the
-// consolidated file equals the full weights; bad input is refused.
+// every configuration the world allows, 1D, 2D and 2.5D with data and
+// pipeline parallelism. Checkpoints: resuming reproduces the losses bit for
+// bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at dp4 x tp2,
+// tp4 x dp2, 2D x dp2 and in one process, and one of 2.5D (q 2, depth 2) as
+// 1D tp4 x dp2 and in one process, with the same loss, and one more step
+// from the loaded optimizer state gives the same loss too; the consolidated
+// file equals the full weights; bad input is refused.
 #include "test_util.h"
 
 #include "reference_gpt.h"
@@ -30,6 +32,7 @@ constexpr int64_t kSeq = 8;
 constexpr double kTolerance = 1e-5;
 using context::ParallelConfig;
 using context::ParallelMode;
+using context::TensorMode;
 
 models::GPTConfig config(double dropout = 0.0) {
   auto c = models::GPTConfig::preset("tiny");
@@ -61,9 +64,13 @@ std::vector<Layout> layouts(int n) {
               {"tp2", ParallelConfig().tensor(2), "ddp"}};
     case 4:
       return {{"dp2_tp2_zero2", ParallelConfig().data(2).tensor(2), "zero2"},
-              {"pp2_tp2", ParallelConfig().pipeline(2).tensor(2), "ddp", 3}};
+              {"pp2_tp2", ParallelConfig().pipeline(2).tensor(2), "ddp", 3},
+              {"2d4", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D), "ddp"}};
     case 8:
-      return {{"dp2_pp2_tp2", ParallelConfig().data(2).pipeline(2).tensor(2), "{R,P(2),S}", 2}};
+      return {{"dp2_pp2_tp2", ParallelConfig().data(2).pipeline(2).tensor(2), "{R,P(2),S}", 2},
+              {"dp2_2d4_zero2", ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D), "zero2"},
+              {"pp2_2d4", ParallelConfig().pipeline(2).tensor(4).tensor_mode(TensorMode::k2D), "ddp", 2},
+              {"2.5d_q2_d2_zero3", ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), "zero3"}};
     default:
       return {};
   }
@@ -80,11 +87,8 @@ train::LrSchedule schedule(double peak) {
 
 Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t seed, double dropout, bool adamw) {
   torch::manual_seed(seed);
-  auto tp = ctx->comm(ParallelMode::kTensor);
   Model r;
-  r.gpt = std::make_shared<models::GPTImpl>(
-      config(dropout),
-      nn::make_1d_factory(tp, false, ctx->seed(ParallelMode::kData), ctx->seed(ParallelMode::kTensor)));
+  r.gpt = std::make_shared<models::GPTImpl>(config(dropout), nn::make_layer_factory(ctx));
   auto make = [adamw](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);
@@ -193,12 +197,15 @@ TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
   }
 }
 
-// Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2 and in one process.
-TEST(Checkpoint, ReshardsAcrossConfigurations) {
+// Saves `source` after 3 steps, then loads it in every layout of `targets`
+// and in one process: the same evaluation loss, and the same loss after one
+// more step from the loaded optimizer state. With `consolidate`, the
+// consolidated file must equal the full weights too.
+void check_reshard(const Layout& source, const std::vector<Layout>& targets, const std::string& what,
+                   bool consolidate) {
   auto world = test::world();
-  if (world->size() != 8) GTEST_SKIP() << "needs 8 ranks";
   const int64_t rows = 8;
-  const std::string dir = shared_dir("reshard") + "/ckpt";
+  const std::string dir = shared_dir(what) + "/ckpt";
   auto [x0, y0] = std::make_pair(ids(rows, 500), ids(rows, 600));  // the global evaluation batch
   auto [x1, y1] = std::make_pair(ids(rows, 501), ids(rows, 601));  // one more training batch
   auto local = [](const context::ParallelContextPtr& ctx, const at::Tensor& t) {
@@ -208,9 +215,8 @@ TEST(Checkpoint, ReshardsAcrossConfigurations) {
   };
   double loss_saved = 0, loss_stepped = 0;
   {
-    const Layout s = layouts(8)[0];
-    auto ctx = context::ParallelContext::create(world, s.parallel);
-    Model a = make_run(ctx, s, 7, 0.0, true);
+    auto ctx = context::ParallelContext::create(world, source.parallel);
+    Model a = make_run(ctx, source, 7, 0.0, true);
     for (int step = 0; step < 3; ++step) {
       auto [x, y] = batch(ctx, rows, step);
       a.trainer->train_step(x, y);
@@ -220,10 +226,8 @@ TEST(Checkpoint, ReshardsAcrossConfigurations) {
     a.trainer->train_step(local(ctx, x1), local(ctx, y1));
     loss_stepped = a.trainer->evaluate(local(ctx, x0), local(ctx, y0));
   }
-  const std::vector<Layout> targets = {{"dp4_tp2", ParallelConfig().data(4).tensor(2), "zero2"},
-                                       {"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero3"}};
   for (const Layout& s : targets) {
-    SCOPED_TRACE(s.name);
+    SCOPED_TRACE(source.name + " -> " + s.name);
     auto ctx = context::ParallelContext::create(world, s.parallel);
     Model b = make_run(ctx, s, 1234, 0.0, true);
     b.trainer->load(dir);
@@ -232,31 +236,51 @@ TEST(Checkpoint, ReshardsAcrossConfigurations) {
     EXPECT_NEAR(b.trainer->evaluate(local(ctx, x0), local(ctx, y0)), loss_stepped, kTolerance * loss_stepped);
   }
   // One process (each rank alone), and the consolidated file against its full weights.
+  SCOPED_TRACE(source.name + " -> one process");
   auto self = world->split(world->rank(), 0, "self");
   auto ctx = context::ParallelContext::create(self, ParallelConfig());
   Model c = make_run(ctx, {"single", ParallelConfig(), "ddp"}, 1234, 0.0, true);
   c.trainer->load(dir);
   EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_saved, kTolerance * loss_saved);
-  const std::string file = shared_dir("consolidated") + "/model.safetensors";
-  if (world->rank() == 0) {
-    train::consolidate_checkpoint(dir, file);
-    train::SafetensorsFile f(file);
-    const auto full = c.gpt->full_state();
-    EXPECT_EQ(f.names().size(), full.size());
-    std::ofstream sums(file + ".sums.json");
-    sums << "{";
-    bool first = true;
-    for (const auto& [name, value] : full) {
-      ASSERT_TRUE(f.contains(name)) << name;
-      EXPECT_TRUE(f.read(name).equal(value)) << name;
-      sums << (first ? "" : ", ") << "\"" << name << "\": " << std::setprecision(17) << value.sum().item<double>();
-      first = false;
+  if (consolidate) {
+    const std::string file = shared_dir("consolidated") + "/model.safetensors";
+    if (world->rank() == 0) {
+      train::consolidate_checkpoint(dir, file);
+      train::SafetensorsFile f(file);
+      const auto full = c.gpt->full_state();
+      EXPECT_EQ(f.names().size(), full.size());
+      std::ofstream sums(file + ".sums.json");
+      sums << "{";
+      bool first = true;
+      for (const auto& [name, value] : full) {
+        ASSERT_TRUE(f.contains(name)) << name;
+        EXPECT_TRUE(f.read(name).equal(value)) << name;
+        sums << (first ? "" : ", ") << "\"" << name << "\": " << std::setprecision(17) << value.sum().item<double>();
+        first = false;
+      }
+      sums << "}\n";
     }
-    sums << "}\n";
+    world->barrier();
   }
-  world->barrier();
   c.trainer->train_step(x1, y1);
   EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_stepped, kTolerance * loss_stepped);
+}
+
+// Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2 and in one process.
+TEST(Checkpoint, ReshardsAcrossConfigurations) {
+  if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
+  check_reshard(layouts(8)[0],
+                {{"dp4_tp2", ParallelConfig().data(4).tensor(2), "zero2"},
+                 {"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero3"},
+                 {"2d4_dp2", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).data(2), "zero2"}},
+                "reshard", /*consolidate=*/true);
+}
+
+// Saved in 2.5D (q 2, depth 2) under ZeRO-3, loaded as 1D tp4 x dp2 and in one process.
+TEST(Checkpoint, TwoPointFiveDLoadsAs1DAndInOneProcess) {
+  if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
+  check_reshard(layouts(8)[3], {{"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero2"}}, "reshard_2p5d",
+                /*consolidate=*/false);
 }
 
 TEST(Checkpoint, BadInputIsRefused) {

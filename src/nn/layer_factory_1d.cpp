@@ -1,7 +1,6 @@
 // The 1D (Megatron) layer factory and its sequence-parallel variant.
 #include "tessera/comm/functional.h"
 #include "tessera/core/hash.h"
-#include "tessera/nn/attention.h"
 #include "tessera/nn/column_parallel_linear.h"
 #include "tessera/nn/init.h"
 #include "tessera/nn/layer_factory.h"
@@ -66,7 +65,11 @@ class Factory1D : public LayerFactory {
     return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   }
   torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) override {
-    return torch::nn::AnyModule(torch::nn::Embedding(context, dim));
+    // Drawn blockwise from one seed, as every factory's embeddings are: the
+    // default generator then advances alike in every mode.
+    torch::nn::Embedding e(torch::nn::EmbeddingOptions(context, dim)._weight(at::empty({context, dim})));
+    init_blockwise(replicated_placement(e->weight), draw_seed(), "weight", normal_draw(0.0, 1.0));
+    return torch::nn::AnyModule(e);
   }
   torch::nn::AnyModule dropout(double p, DropoutSite site) override {
     // Block-layout activations are replicated over the group in 1D but
@@ -75,14 +78,6 @@ class Factory1D : public LayerFactory {
     const bool replicated = site == DropoutSite::kBlock && !sp_;
     const uint64_t seed = splitmix64((replicated ? seed_block_ : seed_sharded_) + (++dropouts_));
     return torch::nn::AnyModule(ParallelDropout(ParallelDropoutOptions(p, seed)));
-  }
-
-  torch::nn::AnyModule core_attention(int64_t /*heads*/, int64_t head_dim, double p) override {
-    return torch::nn::AnyModule(LocalAttention(head_dim, dropout(p, DropoutSite::kSharded)));
-  }
-  torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn) override {
-    auto fc = linear(hidden, ffn, LinearRole::kColumn, true);
-    return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, true)));
   }
 
   ParamPlacement replicated_param(const at::Tensor& param) const override {

@@ -65,15 +65,25 @@ at::Tensor VocabEmbedding2DImpl::forward(const at::Tensor& ids) {
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
               "VocabEmbedding2D: ids must be int64 or int32, got ", ids.scalar_type());
   TORCH_CHECK(ids.dim() >= 1, "VocabEmbedding2D: ids need a batch dimension, got a 0-dimensional tensor");
-  // Every id of this column's batch blocks; the same on every column.
-  const at::Tensor all_ids = comm::raw::all_gather(ids, 0, *col_);
-  // Agree on bad ids across depth layers too, so that every rank throws.
-  at::Tensor range = all_ids.numel() > 0 ? at::stack({-all_ids.min(), all_ids.max()}).to(at::kLong)
-                                         : at::zeros({2}, at::kLong);
-  if (depth_ && depth_->size() > 1) {
-    comm::AllReduceOptions opts;
-    opts.op = comm::ReduceOp::kMax;
-    depth_->all_reduce(range, opts);
+  at::Tensor all_ids;  // every id of this depth layer's batch blocks, the same on every column
+  at::Tensor range;    // -lowest and highest id, agreed by every rank
+  if (options.full_batch()) {
+    const int64_t d = depth_ ? depth_->size() : 1, parts = row_->size() * d, b = ids.size(0);
+    TORCH_CHECK(b % parts == 0, "VocabEmbedding2D: the batch size ", b, " is not divisible by q*depth = ", parts,
+                " (2D and 2.5D split the batch over the ", parts,
+                " grid rows of the tensor group); choose a batch (or micro-batch) size divisible by ", parts);
+    all_ids = ids.narrow(0, (depth_ ? depth_->rank() : 0) * (b / d), b / d);
+    range = ids.numel() > 0 ? at::stack({-ids.min(), ids.max()}).to(at::kLong) : at::zeros({2}, at::kLong);
+  } else {
+    all_ids = comm::raw::all_gather(ids, 0, *col_);
+    range = all_ids.numel() > 0 ? at::stack({-all_ids.min(), all_ids.max()}).to(at::kLong)
+                                : at::zeros({2}, at::kLong);
+    // Agree on bad ids across depth layers too, so that every rank throws.
+    if (depth_ && depth_->size() > 1) {
+      comm::AllReduceOptions opts;
+      opts.op = comm::ReduceOp::kMax;
+      depth_->all_reduce(range, opts);
+    }
   }
   const int64_t lowest = -range[0].item<int64_t>(), highest = range[1].item<int64_t>();
   TORCH_CHECK(lowest >= 0 && highest < options.num_embeddings(), "VocabEmbedding2D: token id ",

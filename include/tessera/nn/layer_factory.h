@@ -7,7 +7,7 @@
 // Note [Layer factory contract]
 // - Activations between blocks are in the mode's "block layout": 1D keeps
 //   them replicated [b, s, h]; its sequence-parallel variant shards the
-//   sequence [b, s/n, h]; 2D will use [b/q, s, h/q], 2.5D [b/(d·q), s, h/q]
+//   sequence [b, s/n, h]; 2D uses [b/q, s, h/q], 2.5D [b/(d·q), s, h/q]
 //   (docs/architecture.md). scatter_activation / gather_activation convert from / to the
 //   full tensor; positions() says which sequence positions this rank holds.
 // - linear(role = kColumn) takes block layout and returns features sharded
@@ -77,8 +77,11 @@ class LayerFactory {
   // local tokens, head_dim]. mlp's forward(x): block layout -> block layout,
   // hidden -> ffn -> hidden with GELU; its parameters are named
   // "c_fc.*" and "c_proj.*".
-  virtual torch::nn::AnyModule core_attention(int64_t heads, int64_t head_dim, double dropout) = 0;
-  virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn) = 0;
+  // The defaults: attention over the local heads and tokens (every key a
+  // query needs is on this rank; dropout(p, kSharded) on the probabilities),
+  // and c_proj(gelu(c_fc(x))) from linear(kColumn) and linear(kRow).
+  virtual torch::nn::AnyModule core_attention(int64_t heads, int64_t head_dim, double dropout);
+  virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn);
 
   // The placement of a parameter no layer describes (LayerNorm, position
   // embeddings): replicated over the tensor group, or partial over it where
@@ -95,8 +98,9 @@ class LayerFactory {
 };
 
 // The factory for the context's tensor and sequence modes: 1D (and its
-// sequence-parallel variant) today. Modes whose layers do not exist yet are
-// refused on every rank with the mode and what to use instead.
+// sequence-parallel variant), 2D and 2.5D. Modes whose layers do not exist
+// yet (3D, a sequence or expert group) are refused on every rank with the
+// mode and what to use instead.
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
                                                  bool sequence_parallel = false);
 
@@ -105,6 +109,11 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
 // (ctx->seed(kData) and ctx->seed(kTensor), Note [Dropout seeds]).
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
                                               uint64_t seed_block, uint64_t seed_sharded);
+
+// The 2D (Optimus) / 2.5D (Tesseract) factory over the context's grid:
+// block layout [b/(q·d), s, h/q], SUMMA linears, heads split over the grid's
+// columns. Batches (and pipeline micro-batches) must divide by q·d.
+std::shared_ptr<LayerFactory> make_2d_factory(const context::ParallelContextPtr& ctx);
 
 }  // namespace nn
 }  // namespace tessera

@@ -34,6 +34,10 @@ struct VocabEmbedding2DOptions {
   // Draw the table blockwise from this seed (Note [Layout-independent
   // initialization]) instead of drawing it whole as torch::nn::Embedding does.
   TORCH_ARG(c10::optional<uint64_t>, init_seed) = c10::nullopt;
+  // forward() takes the whole batch [b, s] (the same ids on every rank, as a
+  // layer factory passes them) and keeps its depth layer's rows itself, with
+  // no all-gather of ids; b must be divisible by q·depth.
+  TORCH_ARG(bool, full_batch) = false;
 };
 
 class VocabEmbedding2DImpl : public torch::nn::Cloneable<VocabEmbedding2DImpl>, public PlacedModule {
@@ -49,7 +53,7 @@ class VocabEmbedding2DImpl : public torch::nn::Cloneable<VocabEmbedding2DImpl>, 
   void pretty_print(std::ostream& stream) const override;
   NamedPlacements local_placements() override;
   // ids [b/q, s] (this grid row's batch block, the same on the row group's
-  // ranks), each in [0, V); returns [b/q, s, h/q].
+  // ranks; [b, s] with full_batch), each in [0, V); returns [b/q, s, h/q].
   at::Tensor forward(const at::Tensor& ids);
 
   // Loads this rank's block of the full, unpadded [V, h] table.
