@@ -46,13 +46,6 @@ TEST(Refusals, ExpertSizeIsRefusedByTheFactoryAndTheTrainer) {
   EXPECT_ERROR_CONTAINS((train::Trainer(ctx, tiny_model(), adamw)), "expert size 2", "set expert size 1");
 }
 
-TEST(Refusals, TensorMode3DIsRefused) {
-  if (test::world()->size() % 8 != 0) GTEST_SKIP() << "tensor mode 3d needs tensor size 8 here";
-  auto ctx = context_of(context::ParallelConfig().tensor(8).tensor_mode(context::TensorMode::k3D));
-  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx), "tensor mode 3d", "implement tensor modes 1d, 2d and 2.5d");
-  EXPECT_ERROR_CONTAINS((train::Trainer(ctx, tiny_model(), adamw)), "tensor mode 3d", "set tensor mode 1d, 2d or 2.5d");
-}
-
 TEST(Refusals, SequenceParallelVariantIsRefusedIn2D) {
   if (test::world()->size() % 4 != 0) GTEST_SKIP() << "tensor mode 2d needs tensor size 4 here";
   auto ctx = context_of(context::ParallelConfig().tensor(4).tensor_mode(context::TensorMode::k2D));

@@ -1,11 +1,12 @@
 // The trainer and its checkpoints on tessera's GPT. Trainer: 3 steps of
 // SGD-momentum with warm-up and clipping equal to the serial reference GPT
 // (tests/reference_gpt.h: plain LibTorch, nothing from tessera; 1e-5) in
-// every configuration the world allows, 1D, 2D and 2.5D with data and
+// every configuration the world allows, 1D, 2D, 2.5D and 3D with data and
 // pipeline parallelism. Checkpoints: resuming reproduces the losses bit for
 // bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at dp4 x tp2,
 // tp4 x dp2, 2D x dp2 and in one process, and one of 2.5D (q 2, depth 2) as
-// 1D tp4 x dp2 and in one process, with the same loss, and one more step
+// 1D tp4 x dp2 and in one process, and one of 3D as 2D x dp2 and in one
+// process, with the same loss, and one more step
 // from the loaded optimizer state gives the same loss too; the consolidated
 // file equals the full weights; bad input is refused.
 #include "test_util.h"
@@ -70,7 +71,8 @@ std::vector<Layout> layouts(int n) {
       return {{"dp2_pp2_tp2", ParallelConfig().data(2).pipeline(2).tensor(2), "{R,P(2),S}", 2},
               {"dp2_2d4_zero2", ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D), "zero2"},
               {"pp2_2d4", ParallelConfig().pipeline(2).tensor(4).tensor_mode(TensorMode::k2D), "ddp", 2},
-              {"2.5d_q2_d2_zero3", ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), "zero3"}};
+              {"2.5d_q2_d2_zero3", ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), "zero3"},
+              {"3d_q2", ParallelConfig().tensor(8).tensor_mode(TensorMode::k3D), "ddp"}};
     default:
       return {};
   }
@@ -281,6 +283,13 @@ TEST(Checkpoint, TwoPointFiveDLoadsAs1DAndInOneProcess) {
   if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
   check_reshard(layouts(8)[3], {{"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero2"}}, "reshard_2p5d",
                 /*consolidate=*/false);
+}
+
+// Saved in 3D (q 2), loaded as 2D x dp2 and in one process.
+TEST(Checkpoint, ThreeDLoadsAs2DAndInOneProcess) {
+  if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
+  check_reshard(layouts(8)[4], {{"2d4_dp2", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).data(2), "zero2"}},
+                "reshard_3d", /*consolidate=*/false);
 }
 
 TEST(Checkpoint, BadInputIsRefused) {

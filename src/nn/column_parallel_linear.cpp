@@ -34,14 +34,8 @@ void ColumnParallelLinearImpl::reset() {
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
-  if (options.init_seed()) {
-    // The distributions of torch::nn::Linear, drawn blockwise.
-    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
-    for (const auto& [name, p] : local_placements()) init_blockwise(p, *options.init_seed(), name, uniform_draw(-bound, bound));
-    return;
-  }
-  auto full = linear_init(options.out_features(), options.in_features(), options.bias());
-  load_full(full.first, full.second);
+  init_linear_params(local_placements(), options.out_features(), options.in_features(), options.bias(),
+                     options.init_seed());
 }
 
 void ColumnParallelLinearImpl::load_full(const at::Tensor& full_w, const at::Tensor& full_b) {

@@ -24,11 +24,7 @@ NamedPlacements LayerFactory::placements(torch::nn::Module& module) const {
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx, bool sequence_parallel) {
   TORCH_CHECK(ctx != nullptr, "make_layer_factory: the ParallelContext is null");
   const auto& c = ctx->config();
-  TORCH_CHECK(c.tensor_mode() != context::TensorMode::k3D || c.tensor() == 1, "tensor mode 3d (tensor size ",
-              c.tensor(), ") is configured, but tessera's layers implement tensor modes 1d, 2d and 2.5d so far; set ",
-              "one of those");
-  const bool grid = c.tensor() > 1 && (c.tensor_mode() == context::TensorMode::k2D ||
-                                       c.tensor_mode() == context::TensorMode::k2p5D);
+  const bool grid = c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D;
   TORCH_CHECK(!grid || !sequence_parallel, "the sequence-parallel variant belongs to tensor mode 1d; tensor mode ",
               context::tensor_mode_name(c.tensor_mode()), " already splits every activation over the grid");
   TORCH_CHECK(c.sequence() == 1, "sequence size ", c.sequence(), " (mode ",
@@ -37,7 +33,7 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
               "size 1 (the 1D tensor-parallel layers' sequence-parallel variant needs no sequence group)");
   TORCH_CHECK(c.expert() == 1, "expert size ", c.expert(),
               " is configured, but no layer carries out expert parallelism yet; set expert size 1");
-  if (grid) return make_2d_factory(ctx);
+  if (grid) return c.tensor_mode() == context::TensorMode::k3D ? make_3d_factory(ctx) : make_2d_factory(ctx);
   return make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sequence_parallel,
                          ctx->seed(context::ParallelMode::kData), ctx->seed(context::ParallelMode::kTensor));
 }

@@ -36,14 +36,8 @@ void Linear2DImpl::reset() {
 }
 
 void Linear2DImpl::reset_parameters() {
-  if (options.init_seed()) {
-    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
-    for (const auto& [name, p] : local_placements())
-      init_blockwise(p, *options.init_seed(), name, uniform_draw(-bound, bound));
-    return;
-  }
-  auto full = linear_init(options.out_features(), options.in_features(), options.bias());
-  load_full(full.first, full.second);
+  init_linear_params(local_placements(), options.out_features(), options.in_features(), options.bias(),
+                     options.init_seed());
 }
 
 NamedPlacements Linear2DImpl::local_placements() {

@@ -1,5 +1,6 @@
 #include "tessera/nn/position_embedding_2d.h"
 
+#include "linear_init.h"
 #include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
@@ -28,17 +29,8 @@ void PositionEmbedding2DImpl::reset() {
 }
 
 void PositionEmbedding2DImpl::reset_parameters() {
-  const ParamPlacement p = local_placements().front().second;
-  if (options.init_seed()) {
-    init_blockwise(p, *options.init_seed(), "weight", normal_draw(0.0, 1.0));
-    return;
-  }
-  at::Tensor full = at::empty({options.num_embeddings(), options.embedding_dim()}, weight.options());
-  {
-    at::NoGradGuard no_grad;
-    full.normal_(0, 1);
-  }
-  load_full(p, full);
+  init_embedding_params(local_placements().front().second, options.num_embeddings(), options.embedding_dim(),
+                        options.init_seed());
 }
 
 NamedPlacements PositionEmbedding2DImpl::local_placements() {

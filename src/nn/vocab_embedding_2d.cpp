@@ -1,6 +1,7 @@
 #include "tessera/nn/vocab_embedding_2d.h"
 
 #include "tessera/comm/functional.h"
+#include "linear_init.h"
 #include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
@@ -32,16 +33,8 @@ void VocabEmbedding2DImpl::reset() {
 }
 
 void VocabEmbedding2DImpl::reset_parameters() {
-  if (options.init_seed()) {
-    init_blockwise(local_placements().front().second, *options.init_seed(), "weight", normal_draw(0.0, 1.0));
-    return;
-  }
-  at::Tensor full = at::empty({options.num_embeddings(), options.embedding_dim()}, weight.options());
-  {
-    at::NoGradGuard no_grad;
-    full.normal_(0, 1);
-  }
-  load_full(full);
+  init_embedding_params(local_placements().front().second, options.num_embeddings(), options.embedding_dim(),
+                        options.init_seed());
 }
 
 NamedPlacements VocabEmbedding2DImpl::local_placements() {

@@ -1,6 +1,7 @@
 #include "tessera/nn/vocab_parallel_embedding.h"
 
 #include "tessera/comm/functional.h"
+#include "linear_init.h"
 #include "tessera/nn/init.h"
 #include "tessera/nn/shard.h"
 
@@ -34,18 +35,8 @@ void VocabParallelEmbeddingImpl::reset() {
 }
 
 void VocabParallelEmbeddingImpl::reset_parameters() {
-  if (options.init_seed()) {
-    init_blockwise(local_placements().front().second, *options.init_seed(), "weight", normal_draw(0.0, 1.0));
-    return;
-  }
-  // Only the V real rows are drawn, so the random stream (and thus the table)
-  // is exactly torch::nn::Embedding(V, D)'s; padded rows are zero.
-  at::Tensor full = at::empty({options.num_embeddings(), options.embedding_dim()}, weight.options());
-  {
-    at::NoGradGuard no_grad;
-    full.normal_(0, 1);
-  }
-  load_full(full);
+  init_embedding_params(local_placements().front().second, options.num_embeddings(), options.embedding_dim(),
+                        options.init_seed());
 }
 
 void VocabParallelEmbeddingImpl::load_full(const at::Tensor& full) {

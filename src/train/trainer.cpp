@@ -95,9 +95,6 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               "rank would repeat the same work); set sequence size 1");
   TORCH_CHECK(config.expert() == 1, "Trainer: the context has expert size ", config.expert(),
               ", but the trainer does not carry out expert parallelism yet; set expert size 1");
-  TORCH_CHECK(config.tensor() == 1 || config.tensor_mode() != context::TensorMode::k3D, "Trainer: tensor mode ",
-              context::tensor_mode_name(config.tensor_mode()),
-              " is not carried out by tessera's layers yet; set tensor mode 1d, 2d or 2.5d");
   const int pp = ctx_->has(context::ParallelMode::kPipeline) ? ctx_->size(context::ParallelMode::kPipeline) : 1;
   TORCH_CHECK(pp == 1 || options_.accumulation() == 1,
               "Trainer: with pipeline stages, accumulate through "

@@ -7,7 +7,7 @@
 // Note [Layer factory contract]
 // - Activations between blocks are in the mode's "block layout": 1D keeps
 //   them replicated [b, s, h]; its sequence-parallel variant shards the
-//   sequence [b, s/n, h]; 2D uses [b/q, s, h/q], 2.5D [b/(d·q), s, h/q]
+//   sequence [b, s/n, h]; 2D uses [b/q, s, h/q], 2.5D [b/(d·q), s, h/q], 3D [b/q², s, h/q]
 //   (docs/architecture.md). scatter_activation / gather_activation convert from / to the
 //   full tensor; positions() says which sequence positions this rank holds.
 // - linear(role = kColumn) takes block layout and returns features sharded
@@ -98,8 +98,8 @@ class LayerFactory {
 };
 
 // The factory for the context's tensor and sequence modes: 1D (and its
-// sequence-parallel variant), 2D and 2.5D. Modes whose layers do not exist
-// yet (3D, a sequence or expert group) are refused on every rank with the
+// sequence-parallel variant), 2D, 2.5D and 3D. Modes whose layers do not
+// exist yet (a sequence or expert group) are refused on every rank with the
 // mode and what to use instead.
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
                                                  bool sequence_parallel = false);
@@ -114,6 +114,12 @@ std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group
 // block layout [b/(q·d), s, h/q], SUMMA linears, heads split over the grid's
 // columns. Batches (and pipeline micro-batches) must divide by q·d.
 std::shared_ptr<LayerFactory> make_2d_factory(const context::ParallelContextPtr& ctx);
+
+// The 3D factory over the context's cube (Note [3D layouts] in
+// nn/linear_3d.h): block layout [b/q², s, h/q], heads split over the
+// feature blocks. Batches (and micro-batches) must divide by q², hidden sizes
+// by q², heads by q.
+std::shared_ptr<LayerFactory> make_3d_factory(const context::ParallelContextPtr& ctx);
 
 }  // namespace nn
 }  // namespace tessera

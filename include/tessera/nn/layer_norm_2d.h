@@ -4,7 +4,9 @@
 // variance of each token are sums over the row group, whose ranks hold the
 // token's hidden blocks. Weight and bias [h/q] are hidden block j:
 // Shard(0) over row, Partial over col (each grid row normalizes its own
-// batch rows) and, in 2.5D, over depth.
+// batch rows) and, in 2.5D, over depth. 3D uses it as well, with row =
+// 3d_output (layout A's hidden blocks), col = 3d_input and depth = 3d_weight
+// (Note [3D layouts] in linear_3d.h).
 #include "tessera/comm/communicator.h"
 #include "tessera/nn/placement.h"
 

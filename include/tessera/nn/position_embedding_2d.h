@@ -5,7 +5,8 @@
 // [context, h/q] and its lookup [s, h/q] adds to the [b/q, s, h/q] token
 // embedding without communication. Every grid row (and, in 2.5D, every depth
 // layer) holds the same table and sees its own batch rows: the gradient is
-// Partial over col and depth.
+// Partial over col and depth. 3D uses it with row = 3d_output, col =
+// 3d_input and depth = 3d_weight, as it uses LayerNorm2D.
 #include "tessera/comm/communicator.h"
 #include "tessera/nn/placement.h"
 
