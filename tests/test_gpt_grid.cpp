@@ -15,6 +15,8 @@
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/shard.h"
+#include "tessera/optim/lamb.h"
+#include "tessera/optim/lars.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
 #include "tessera/parallel/whole_norms.h"
@@ -202,6 +204,95 @@ TEST(GPTGrid, ShardedGradientsAndWholeNormEqualSerial) {
       EXPECT_NEAR(opt.clip_grad_norm(1e9), serial_norm, kRelTolerance * serial_norm);
       for (const auto& [name, grad] : gpt->full_state(true))
         EXPECT_LE(rel_error(grad, serial_grads.at(name)), kRelTolerance) << "gradient of " << name;
+    }
+  }
+}
+
+// LAMB's and LARS's trust ratios need the norm of each whole parameter:
+// under ShardedOptimizer with the model's PlacementNorms, 3 steps of either
+// on the grid GPT equal the same optimizer on the serial reference GPT,
+// whose parameters are whole in one process.
+TEST(GPTGrid, LambAndLarsTrustRatiosUseWholeParameterNorms) {
+  auto world = test::world();
+  const auto cases = grid_cases(world->size());
+  if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
+  const models::GPTConfig c = models::GPTConfig::preset("tiny");
+  const auto full = test::gpt_initial_weights(c, 5);
+  using Make = std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+  const std::vector<std::pair<std::string, Make>> optimizers = {
+      {"lamb", [](std::vector<at::Tensor> p) { return std::make_shared<optim::Lamb>(p, optim::LambOptions(0.02)); }},
+      {"lars", [](std::vector<at::Tensor> p) {
+         return std::make_shared<optim::Lars>(p, optim::LarsOptions(0.5).trust_coefficient(0.02));
+       }}};
+  for (const GridCase& gc : cases) {
+    for (const auto& [opt_name, make] : optimizers) {
+      SCOPED_TRACE(gc.name + " " + opt_name);
+      auto ctx = context::ParallelContext::create(world, gc.config);
+      test::ReferenceGPT serial(test::reference_config(c));
+      serial->load_full_state(full);
+      auto gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
+      gpt->load_full_state(full);
+      const nn::NamedPlacements placements = gpt->placements();
+      auto sharded = std::make_shared<parallel::ShardedModule>(
+          gpt, ctx, parallel::ShardedModuleOptions().placements(placements));
+      parallel::ShardedOptimizer opt(
+          sharded, make(gpt->parameters()),
+          parallel::ShardedOptimizerOptions().whole_norms(std::make_shared<parallel::PlacementNorms>(placements)));
+      auto serial_opt = make(serial->parameters());
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor ids = test::seeded_token_ids(60 + step, c.vocab, kBatch, kSeq);
+        const at::Tensor targets = test::seeded_token_ids(70 + step, c.vocab, kBatch, kSeq);
+        serial_opt->zero_grad();
+        opt.zero_grad();
+        const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
+        serial_loss.backward();
+        const at::Tensor loss = sharded->run([&] { return gpt->loss(gpt->forward(ids), targets); });
+        loss.backward();
+        EXPECT_LE(rel_error(loss.detach(), serial_loss.detach()), kRelTolerance) << "loss at step " << step;
+        serial_opt->step();
+        opt.step();
+      }
+      const auto serial_weights = serial->full_state();
+      for (const auto& [name, value] : gpt->full_state()) {
+        const bool c_attn_bias = name.find("c_attn.bias") != std::string::npos;
+        EXPECT_LE(rel_error(c_attn_bias ? without_key_bias(value, c) : value,
+                            c_attn_bias ? without_key_bias(serial_weights.at(name), c) : serial_weights.at(name)),
+                  5e-5)
+            << name << " after 3 steps";
+      }
+    }
+  }
+}
+
+// Mixed precision: the grid GPT in bf16 (parameters, activations and every
+// collective) against the fp32 serial GPT, within bf16's precision.
+TEST(GPTGrid, Bf16LossAndGradientsCloseToFp32Serial) {
+  auto world = test::world();
+  const auto cases = grid_cases(world->size());
+  if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
+  const models::GPTConfig c = models::GPTConfig::preset("tiny");
+  const auto full = test::gpt_initial_weights(c, 6);
+  const at::Tensor ids = test::seeded_token_ids(80, c.vocab, kBatch, kSeq);
+  const at::Tensor targets = test::seeded_token_ids(81, c.vocab, kBatch, kSeq);
+  test::ReferenceGPT serial(test::reference_config(c));
+  serial->load_full_state(full);
+  const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
+  serial_loss.backward();
+  const auto serial_grads = serial->full_state(true);
+  for (const GridCase& gc : cases) {
+    SCOPED_TRACE(gc.name);
+    auto ctx = context::ParallelContext::create(world, gc.config);
+    models::GPT gpt(c, nn::make_layer_factory(ctx));
+    gpt->load_full_state(full);
+    gpt->to(at::kBFloat16);
+    const at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
+    EXPECT_EQ(loss.scalar_type(), at::kBFloat16);
+    loss.backward();
+    gpt->reduce_partial_gradients();
+    EXPECT_LE(rel_error(loss.detach().to(at::kFloat), serial_loss.detach()), 1e-2);
+    for (const auto& [name, grad] : gpt->full_state(true)) {
+      if (name.find("c_attn.bias") != std::string::npos) continue;  // ~0 (see without_key_bias)
+      EXPECT_LE(rel_error(grad.to(at::kFloat), serial_grads.at(name)), 5e-2) << "gradient of " << name;
     }
   }
 }

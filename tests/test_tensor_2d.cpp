@@ -1,8 +1,9 @@
 // 2D (q x q) and 2.5D (q x q x d) tensor parallelism against plain LibTorch:
 // the SUMMA products on their own, and the output, input gradient,
 // parameter gradients and 5 AdamW steps of Linear2D, LayerNorm2D and
-// VocabEmbedding2D. 4 ranks run 2D with q = 2, 8 ranks
-// 2.5D with q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
+// VocabEmbedding2D. 4 ranks run 2D with q = 2 (and, with
+// TESSERA_TEST_2P5D_DEPTH1 set, 2.5D with q = 2, d = 1), 8 ranks 2.5D with
+// q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
@@ -16,6 +17,7 @@
 #include "tessera/nn/vocab_embedding_2d.h"
 
 #include <gtest/gtest.h>
+#include <cstdlib>
 #include <torch/torch.h>
 
 namespace tessera {
@@ -34,6 +36,13 @@ struct Grid {
 
 bool make_grid(Grid* g, comm::CommunicatorPtr world = test::world()) {
   const int n = world->size();
+  if (n == 4 && std::getenv("TESSERA_TEST_2P5D_DEPTH1") != nullptr) {  // 2.5D at depth 1: 2D through 2.5D's groups
+    auto ctx = context::ParallelContext::create(
+        world, context::ParallelConfig().tensor(4).tensor_mode(context::TensorMode::k2p5D).tensor_depth(1));
+    *g = {ctx->comm(context::ParallelMode::k2p5DRow), ctx->comm(context::ParallelMode::k2p5DCol),
+          ctx->comm(context::ParallelMode::k2p5DDep), ctx->comm(context::ParallelMode::k2p5DXZ), 2, 1};
+    return true;
+  }
   if (n == 4) {
     auto ctx = context::ParallelContext::create(world, context::ParallelConfig().tensor(4).tensor_mode(
                                                            context::TensorMode::k2D));
