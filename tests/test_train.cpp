@@ -1,8 +1,9 @@
 // The trainer and its checkpoints on tessera's GPT. Trainer: 3 steps of
 // SGD-momentum with warm-up and clipping equal to the serial reference GPT
-// (tests/reference_gpt.h: plain LibTorch, nothing from tessera; 1e-5) in
+// (tests/reference_gpt.h: plain LibTorch, nothing from tessera; losses and
+// gradient norms within 1e-5) in
 // every configuration the world allows, 1D, 2D, 2.5D and 3D with data and
-// pipeline parallelism. Checkpoints: resuming reproduces the losses bit for
+// pipeline parallelism, under several sharding specs. Checkpoints: resuming reproduces the losses bit for
 // bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at dp4 x tp2,
 // tp4 x dp2, 2D x dp2 and in one process, and one of 2.5D (q 2, depth 2) as
 // 1D tp4 x dp2 and in one process, and one of 3D as 2D x dp2 and in one
@@ -124,47 +125,75 @@ std::string shared_dir(const std::string& what) {
   return dir;
 }
 
-TEST(Trainer, ThreeStepsEqualSerial) {
+// The serial reference: the reference GPT from the weights every run starts
+// from (tessera's initialisation with seed 7, the same whatever the layout;
+// tessera's GPT is the source of weights only), SGD-momentum,
+// clip_grad_norm_ 0.5, the same schedule; the loss and the gradient norm
+// before clipping of each of 3 steps.
+struct SerialSteps {
+  std::vector<double> losses, norms;
+};
+
+SerialSteps serial_steps(int64_t rows) {
   auto world = test::world();
-  const int64_t rows = 12;
-  // The serial reference: the reference GPT from the weights every run below
-  // starts from (tessera's initialisation with seed 7, the same whatever the
-  // layout; tessera's GPT is the source of weights only), SGD-momentum,
-  // clip_grad_norm_ 0.5, the same schedule.
-  std::vector<double> expected;
+  std::map<std::string, at::Tensor> initial;
   {
-    std::map<std::string, at::Tensor> initial;
-    {
-      torch::manual_seed(7);
-      auto self = world->split(world->rank(), 0, "self");
-      models::GPT source(config(), nn::make_1d_factory(self, false, 1, 2));
-      for (const auto& entry : source->full_state()) initial[entry.first] = entry.second.clone();
-    }
-    test::ReferenceGPT gpt(test::reference_config(config()));
-    gpt->load_full_state(initial);
-    torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    for (int step = 0; step < 3; ++step) {
-      for (auto& g : opt.param_groups()) g.options().set_lr(schedule(0.1).at(step));
-      opt.zero_grad();
-      at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 100 + step)), ids(rows, 200 + step));
-      loss.backward();
-      torch::nn::utils::clip_grad_norm_(gpt->parameters(), 0.5);
-      opt.step();
-      expected.push_back(loss.item<double>());
-    }
+    torch::manual_seed(7);
+    auto self = world->split(world->rank(), 0, "self");
+    models::GPT source(config(), nn::make_1d_factory(self, false, 1, 2));
+    for (const auto& entry : source->full_state()) initial[entry.first] = entry.second.clone();
   }
-  for (const Layout& s : layouts(world->size())) {
-    SCOPED_TRACE(s.name);
-    auto ctx = context::ParallelContext::create(world, s.parallel);
-    Model r = make_run(ctx, s, 7, 0.0, false);
-    for (int step = 0; step < 3; ++step) {
-      auto [x, y] = batch(ctx, rows, step);
-      const train::StepStats st = r.trainer->train_step(x, y);
-      EXPECT_NEAR(st.loss, expected[step], kTolerance * expected[step]) << "step " << step;
-      EXPECT_GT(st.grad_norm, 0.5) << "the test must clip";
-      EXPECT_DOUBLE_EQ(st.lr, schedule(0.1).at(step));
-    }
+  test::ReferenceGPT gpt(test::reference_config(config()));
+  gpt->load_full_state(initial);
+  torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  SerialSteps out;
+  for (int step = 0; step < 3; ++step) {
+    for (auto& g : opt.param_groups()) g.options().set_lr(schedule(0.1).at(step));
+    opt.zero_grad();
+    at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 100 + step)), ids(rows, 200 + step));
+    loss.backward();
+    out.norms.push_back(torch::nn::utils::clip_grad_norm_(gpt->parameters(), 0.5));
+    opt.step();
+    out.losses.push_back(loss.item<double>());
   }
+  return out;
+}
+
+// 3 trainer steps of `s` against the serial losses and gradient norms.
+void expect_serial_steps(const Layout& s, const SerialSteps& expected, int64_t rows) {
+  SCOPED_TRACE(s.name);
+  auto ctx = context::ParallelContext::create(test::world(), s.parallel);
+  Model r = make_run(ctx, s, 7, 0.0, false);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(ctx, rows, step);
+    const train::StepStats st = r.trainer->train_step(x, y);
+    EXPECT_NEAR(st.loss, expected.losses[step], kTolerance * expected.losses[step]) << "step " << step;
+    EXPECT_NEAR(st.grad_norm, expected.norms[step], kTolerance * expected.norms[step]) << "norm, step " << step;
+    EXPECT_GT(st.grad_norm, 0.5) << "the test must clip";
+    EXPECT_DOUBLE_EQ(st.lr, schedule(0.1).at(step));
+  }
+}
+
+TEST(Trainer, ThreeStepsEqualSerial) {
+  const int64_t rows = 12;
+  const SerialSteps expected = serial_steps(rows);
+  for (const Layout& s : layouts(test::world()->size())) expect_serial_steps(s, expected, rows);
+}
+
+// Data parallelism x 2D under the sharding specs not in layouts(8), and
+// with another order of the grid's dimensions.
+TEST(Trainer, DataTimes2DEqualsSerialUnderEverySpec) {
+  if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
+  const int64_t rows = 12;
+  const SerialSteps expected = serial_steps(rows);
+  for (const char* spec : {"ddp", "zero1", "zero3", "{R,P(2),S}", "hpz:2"})
+    expect_serial_steps({std::string("dp2_2d4_") + spec,
+                         ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D), spec},
+                        expected, rows);
+  // Groups come from the grid whatever the order: data ranks adjacent here.
+  expect_serial_steps({"dp2_2d4_zero2_data_inner",
+                       ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D).order("dp-tp-sp-pp"), "zero2"},
+                      expected, rows);
 }
 
 TEST(Checkpoint, ResumeReproducesLossesBitForBit) {

@@ -138,16 +138,13 @@ CommTask FlatBucket::reduce_grads() {
   ensure_full_grads();
   const int g = layout_.degrees().grads;
   at::Tensor out = g == 1 ? full_grad_ : grad_shard_;
-  CommTask task = layout_.reduce(full_grad_, out, g);
-  for (const auto& group : partial_groups_) {
-    if (group->size() == 1) continue;
-    task.then([group, out]() mutable {
-      comm::AllReduceOptions opts;
-      opts.async = true;
-      return group->all_reduce(out, opts);
-    });
-  }
-  return task;
+  return layout_.reduce(full_grad_, out, g);
+}
+
+void FlatBucket::reduce_partial() {
+  at::Tensor out = layout_.degrees().grads == 1 ? full_grad_ : grad_shard_;
+  for (const auto& group : partial_groups_)
+    if (group->size() > 1) group->all_reduce(out);
 }
 
 void FlatBucket::scale_grads(double factor) {

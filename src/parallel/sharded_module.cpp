@@ -135,11 +135,21 @@ struct ShardState {
     for (auto& b : buckets) b->free_params();
   }
 
+  // Note [Partial sums after backward]
+  // Gradients that are partial over tensor-parallel groups (2D's col, 2.5D's
+  // depth, the 1D sequence-parallel variant's tensor group) are summed over
+  // those groups here, after backward, in bucket order, blocking. Issued as
+  // asynchronous stages during backward they would share a communicator
+  // with the layers' own collectives (SUMMA's broadcasts on col), and ranks
+  // could issue the two in different orders: MPI and NCCL both require one
+  // order per communicator, and the 2D trainer test hung on it. The data
+  // reductions stay asynchronous: no layer communicates over the data group.
   void finish() {
     if (!reductions_pending) return;
     launch_ready(true);
     for (size_t b = 0; b < buckets.size(); ++b)
       if (!finalized[b]) finalize(b);
+    for (auto& bucket : buckets) bucket->reduce_partial();
     std::fill(arrived.begin(), arrived.end(), 0);
     std::fill(ready.begin(), ready.end(), false);
     std::fill(finalized.begin(), finalized.end(), false);

@@ -20,9 +20,15 @@ namespace test {
 
 // The world communicator of the test process (MPI backend), created on first
 // use through the factory, so TESSERA_CHECK_COLLECTIVES=1 runs a test in
-// checked mode.
+// checked mode; a run asked to check that is not checking fails.
 inline comm::CommunicatorPtr world() {
-  static comm::CommunicatorPtr w = comm::make_world_communicator();
+  static comm::CommunicatorPtr w = [] {
+    comm::CommunicatorPtr made = comm::make_world_communicator();
+    TORCH_CHECK(!comm::WorldOptions::checked_mode_from_env() || made->backend().rfind("checked(", 0) == 0,
+                "TESSERA_CHECK_COLLECTIVES is set but the world communicator is '", made->backend(),
+                "', not checked: the test would not check what it claims to");
+    return made;
+  }();
   return w;
 }
 

@@ -60,10 +60,16 @@ class FlatBucket {
   // Drops the full gradient buffer when gradients are sharded.
   void release_full_grads();
   // Gradients of this bucket's parameters are partial over `groups` too
-  // (nn::ParamPlacement::gradient_groups): the reduced chunk is summed over each.
+  // (nn::ParamPlacement::gradient_groups): reduce_partial() sums the reduced
+  // chunk over each.
   void set_partial_groups(std::vector<comm::CommunicatorPtr> groups) { partial_groups_ = std::move(groups); }
-  // Starts the reduction of the full gradients into this rank's gradient shard.
+  // Starts the reduction of the full gradients into this rank's gradient
+  // shard over the layout's (data) groups.
   CommTask reduce_grads();
+  // After reduce_grads() completed: sums the chunk over the partial groups,
+  // blocking. Note [Partial sums after backward] in sharded_module.cpp says
+  // why this is not a stage of reduce_grads().
+  void reduce_partial();
   // After the reduction: divides the gradient shard.
   void scale_grads(double factor);
   void zero_grads();
