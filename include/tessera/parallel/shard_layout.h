@@ -36,8 +36,6 @@ class CommTask {
   CommTask() = default;
 
   // Issues the first stage if none is issued yet.
-  // Adds a stage after the last one; only before start().
-  void then(Stage stage) { stages_.push_back(std::move(stage)); }
   void start();
   // Issues the next stage when the current one has completed, but never more
   // than `max_issued` stages in all; never blocks. True when all completed.
