@@ -46,6 +46,7 @@ Json defaults() {
           {"tp_depth", 1},
           {"sp", 1},
           {"sp_mode", "ulysses"},
+          {"sp_split", "contiguous"},
           {"ep", 1},
           {"order", "tp-sp-dp-pp"},
           {"sequence_parallel", false},
@@ -136,7 +137,7 @@ Json parse_args(int argc, char** argv) {
 // (context::config_from_args), whichever way they were given here.
 tessera::context::ParallelConfig parallel_config(const Json& a) {
   std::vector<std::string> words = {"train_gpt"};
-  for (const char* key : {"dp", "pp", "tp", "tp_mode", "tp_depth", "sp", "sp_mode", "ep", "order"}) {
+  for (const char* key : {"dp", "pp", "tp", "tp_mode", "tp_depth", "sp", "sp_mode", "sp_split", "ep", "order"}) {
     std::string flag = std::string("--") + key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     words.push_back(flag);

@@ -196,6 +196,35 @@ TEST(Trainer, DataTimes2DEqualsSerialUnderEverySpec) {
                       expected, rows);
 }
 
+// Sequence parallelism (every mode, both splits) with data, tensor and
+// pipeline parallelism and ZeRO sharded over data x sequence.
+TEST(Trainer, SequenceParallelEqualsSerial) {
+  using context::SequenceMode;
+  using context::SequenceSplit;
+  const int n = test::world()->size();
+  auto sp = [](SequenceMode mode, SequenceSplit split) {
+    return ParallelConfig().sequence(2).sequence_mode(mode).sequence_split(split);
+  };
+  std::vector<Layout> cases;
+  if (n == 4) {
+    cases = {{"sp2_dp2_ring_zigzag_zero2", sp(SequenceMode::kRing, SequenceSplit::kZigzag).data(2), "zero2"},
+             {"sp2_tp2_ulysses", sp(SequenceMode::kUlysses, SequenceSplit::kContiguous).tensor(2), "ddp"},
+             {"sp4_rsa_zero3", sp(SequenceMode::kRsa, SequenceSplit::kContiguous).sequence(4), "zero3"}};
+  } else if (n == 8) {
+    cases = {{"sp2_pp2_dp2_ring_zero2", sp(SequenceMode::kRing, SequenceSplit::kContiguous).pipeline(2).data(2),
+              "zero2", 2},
+             {"sp2_dp2_tp2_rsa_zigzag", sp(SequenceMode::kRsa, SequenceSplit::kZigzag).data(2).tensor(2),
+              "{R,P(2),S}"},
+             {"sp2_pp2_tp2_ulysses_zigzag", sp(SequenceMode::kUlysses, SequenceSplit::kZigzag).pipeline(2).tensor(2),
+              "ddp", 2}};
+  } else {
+    GTEST_SKIP() << "runs at 4 and 8 ranks";
+  }
+  const int64_t rows = 12;
+  const SerialSteps expected = serial_steps(rows);
+  for (const Layout& s : cases) expect_serial_steps(s, expected, rows);
+}
+
 TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
   auto world = test::world();
   const int64_t rows = 12;

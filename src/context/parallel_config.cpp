@@ -90,6 +90,8 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
     config.sequence(flag_int(flag, value));
   } else if (flag == "--sp-mode") {
     config.sequence_mode(parse_sequence_mode(value));
+  } else if (flag == "--sp-split") {
+    config.sequence_split(parse_sequence_split(value));
   } else if (flag == "--ep") {
     config.expert(flag_int(flag, value));
   } else if (flag == "--order") {
@@ -104,8 +106,9 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
 }
 
 bool known_flag(const std::string& flag) {
-  static constexpr std::array<const char*, 10> kFlags = {"--dp", "--pp",      "--tp", "--tp-mode", "--tp-depth",
-                                                         "--sp", "--sp-mode", "--ep", "--order",   "--seed"};
+  static constexpr std::array<const char*, 11> kFlags = {"--dp",       "--pp", "--tp",    "--tp-mode",
+                                                         "--tp-depth", "--sp", "--sp-mode", "--sp-split",
+                                                         "--ep",       "--order", "--seed"};
   return std::any_of(kFlags.begin(), kFlags.end(), [&](const char* known) { return flag == known; });
 }
 
@@ -163,15 +166,34 @@ std::string sequence_mode_name(SequenceMode mode) {
       return "ulysses";
     case SequenceMode::kRing:
       return "ring";
+    case SequenceMode::kRsa:
+      return "rsa";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown SequenceMode ", static_cast<int>(mode));
 }
 
 SequenceMode parse_sequence_mode(const std::string& name) {
-  for (SequenceMode mode : {SequenceMode::kUlysses, SequenceMode::kRing}) {
+  for (SequenceMode mode : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa}) {
     if (lower(name) == sequence_mode_name(mode)) return mode;
   }
-  TORCH_CHECK(false, "unknown sequence mode '", name, "'; accepted sequence modes are ulysses, ring");
+  TORCH_CHECK(false, "unknown sequence mode '", name, "'; accepted sequence modes are ulysses, ring, rsa");
+}
+
+std::string sequence_split_name(SequenceSplit split) {
+  switch (split) {
+    case SequenceSplit::kContiguous:
+      return "contiguous";
+    case SequenceSplit::kZigzag:
+      return "zigzag";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown SequenceSplit ", static_cast<int>(split));
+}
+
+SequenceSplit parse_sequence_split(const std::string& name) {
+  for (SequenceSplit split : {SequenceSplit::kContiguous, SequenceSplit::kZigzag}) {
+    if (lower(name) == sequence_split_name(split)) return split;
+  }
+  TORCH_CHECK(false, "unknown sequence split '", name, "'; accepted sequence splits are contiguous, zigzag");
 }
 
 std::string dim_name(Dim dim) {
@@ -226,7 +248,7 @@ int ParallelConfig::size(Dim dim) const {
 bool operator==(const ParallelConfig& a, const ParallelConfig& b) {
   return a.data() == b.data() && a.pipeline() == b.pipeline() && a.tensor() == b.tensor() &&
          a.tensor_mode() == b.tensor_mode() && a.tensor_depth() == b.tensor_depth() && a.sequence() == b.sequence() &&
-         a.sequence_mode() == b.sequence_mode() && a.expert() == b.expert() && a.order() == b.order() &&
+         a.sequence_mode() == b.sequence_mode() && a.sequence_split() == b.sequence_split() && a.expert() == b.expert() && a.order() == b.order() &&
          a.seed() == b.seed();
 }
 
@@ -360,10 +382,13 @@ ParallelConfig config_from_json(const std::string& json_text) {
   if (root.contains("sequence")) {
     const Json& sequence = root["sequence"];
     if (sequence.is_object()) {
-      check_keys(sequence, "sequence.", {"size", "mode"});
+      check_keys(sequence, "sequence.", {"size", "mode", "split"});
       if (sequence.contains("size")) config.sequence(json_int(sequence["size"], "sequence.size"));
       if (sequence.contains("mode")) {
         config.sequence_mode(parse_sequence_mode(json_string(sequence["mode"], "sequence.mode")));
+      }
+      if (sequence.contains("split")) {
+        config.sequence_split(parse_sequence_split(json_string(sequence["split"], "sequence.split")));
       }
     } else {
       config.sequence(json_int(sequence, "sequence"));
@@ -398,7 +423,9 @@ std::string to_string(const ParallelConfig& config) {
   }
   out << " pp=" << config.pipeline() << " tp=" << config.tensor() << '(' << tensor_mode_name(config.tensor_mode());
   if (config.tensor_mode() == TensorMode::k2p5D) out << ",depth=" << config.tensor_depth();
-  out << ") sp=" << config.sequence() << '(' << sequence_mode_name(config.sequence_mode()) << ") ep=" << config.expert()
+  out << ") sp=" << config.sequence() << '(' << sequence_mode_name(config.sequence_mode());
+  if (config.sequence_split() != SequenceSplit::kContiguous) out << ',' << sequence_split_name(config.sequence_split());
+  out << ") ep=" << config.expert()
       << " order=" << config.order() << " seed=" << config.seed();
   return out.str();
 }

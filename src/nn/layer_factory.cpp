@@ -1,6 +1,7 @@
 // What every layer factory shares, and the choice of factory by the context.
 #include "tessera/nn/layer_factory.h"
 
+#include "tessera/core/hash.h"
 #include "tessera/nn/attention.h"
 
 #include <torch/nn/module.h>
@@ -27,13 +28,25 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
   const bool grid = c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D;
   TORCH_CHECK(!grid || !sequence_parallel, "the sequence-parallel variant belongs to tensor mode 1d; tensor mode ",
               context::tensor_mode_name(c.tensor_mode()), " already splits every activation over the grid");
-  TORCH_CHECK(c.sequence() == 1, "sequence size ", c.sequence(), " (mode ",
-              context::sequence_mode_name(c.sequence_mode()),
-              ") is configured, but no layer carries out sequence parallelism over a sequence group yet; set sequence "
-              "size 1 (the 1D tensor-parallel layers' sequence-parallel variant needs no sequence group)");
+  TORCH_CHECK(c.sequence() == 1 || !grid, "sequence size ", c.sequence(), " (mode ",
+              context::sequence_mode_name(c.sequence_mode()), ") runs on tensor mode 1d, but tensor mode ",
+              context::tensor_mode_name(c.tensor_mode()),
+              " is configured; use tensor mode 1d with sequence parallelism, or sequence size 1");
+  TORCH_CHECK(c.sequence() == 1 || !sequence_parallel, "sequence size ", c.sequence(),
+              " and the 1D layers' sequence-parallel variant both split the sequence; use one of them");
   TORCH_CHECK(c.expert() == 1, "expert size ", c.expert(),
               " is configured, but no layer carries out expert parallelism yet; set expert size 1");
   if (grid) return c.tensor_mode() == context::TensorMode::k3D ? make_3d_factory(ctx) : make_2d_factory(ctx);
+  if (c.sequence() > 1) {
+    // Block activations differ across data and sequence ranks; sharded ones
+    // across tensor and sequence ranks (Note [Dropout seeds]).
+    auto inner = make_1d_factory(ctx->comm(context::ParallelMode::kTensor), false,
+                                 ctx->seed(context::ParallelMode::kDataSequence),
+                                 splitmix64(ctx->seed(context::ParallelMode::kTensor) ^
+                                            ctx->seed(context::ParallelMode::kSequence)));
+    return make_sequence_factory(std::move(inner), ctx->comm(context::ParallelMode::kSequence), c.sequence_mode(),
+                                 c.sequence_split());
+  }
   return make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sequence_parallel,
                          ctx->seed(context::ParallelMode::kData), ctx->seed(context::ParallelMode::kTensor));
 }

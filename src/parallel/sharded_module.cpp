@@ -209,7 +209,19 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     : module_(std::move(module)), ctx_(std::move(ctx)), options_(std::move(options)) {
   TORCH_CHECK(module_ != nullptr, "ShardedModule: the module is null");
   TORCH_CHECK(ctx_ != nullptr, "ShardedModule: the ParallelContext is null");
-  group_ = options_.group() ? options_.group() : ctx_->comm(context::ParallelMode::kData);
+  // Note [Sequence ranks in the data reduction]
+  // Sequence ranks hold parts of the same sequences: a parameter's gradient
+  // is partial over the sequence group (its placement says so). By default
+  // the wrapper reduces over data x sequence, which sums over the sequence
+  // group within the same reduction, and averages over data only; the
+  // sequence group is then dropped from the buckets' partial groups.
+  const bool sequence = !options_.group() && ctx_->has(context::ParallelMode::kSequence) &&
+                        ctx_->size(context::ParallelMode::kSequence) > 1;
+  group_ = options_.group()
+               ? options_.group()
+               : ctx_->comm(sequence ? context::ParallelMode::kDataSequence : context::ParallelMode::kData);
+  const comm::CommunicatorPtr covered = sequence ? ctx_->comm(context::ParallelMode::kSequence) : nullptr;
+  const int replicas = group_->size() / (covered ? covered->size() : 1);
   TORCH_CHECK(options_.bucket_bytes() > 0, "ShardedModule: bucket_bytes must be positive, got ",
               options_.bucket_bytes());
   const ShardDegrees degrees = options_.spec().resolve(group_->size());
@@ -261,7 +273,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   };
   s.prefetch = options_.prefetch();
   s.overlap = options_.overlap();
-  s.scale = options_.average() ? 1.0 / group_->size() : 1.0;
+  s.scale = options_.average() ? 1.0 / replicas : 1.0;
   const bool materialize = degrees.params > 1 || options_.offload_params();
 
   if (options_.sync_module_states() && group_->size() > 1) {
@@ -352,6 +364,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   std::map<const void*, std::vector<comm::CommunicatorPtr>> partial;
   for (const auto& [name, p] : options_.placements()) {
     auto groups = p.gradient_groups();
+    groups.erase(std::remove(groups.begin(), groups.end(), covered), groups.end());
     if (!groups.empty()) partial[p.param.unsafeGetTensorImpl()] = std::move(groups);
   }
   auto groups_of = [&](const ParamSlot& slot) {

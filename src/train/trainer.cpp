@@ -90,9 +90,6 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   options_.lr().validate();
   // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
   const auto& config = ctx_->config();
-  TORCH_CHECK(config.sequence() == 1, "Trainer: the context has sequence size ", config.sequence(),
-              ", but the trainer does not carry out sequence parallelism over a sequence group yet (each sequence "
-              "rank would repeat the same work); set sequence size 1");
   TORCH_CHECK(config.expert() == 1, "Trainer: the context has expert size ", config.expert(),
               ", but the trainer does not carry out expert parallelism yet; set expert size 1");
   const int pp = ctx_->has(context::ParallelMode::kPipeline) ? ctx_->size(context::ParallelMode::kPipeline) : 1;

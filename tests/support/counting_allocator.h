@@ -36,9 +36,15 @@ class CountingAllocator : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     return peak_;
   }
+  // The largest single allocation since the last reset_peak().
+  int64_t largest() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return largest_;
+  }
   void reset_peak() {
     std::lock_guard<std::mutex> lock(mutex_);
     peak_ = live_;
+    largest_ = 0;
   }
   c10::Allocator* base() const { return base_; }
 
@@ -67,13 +73,14 @@ class CountingAllocator : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     live_ += static_cast<int64_t>(n);
     peak_ = std::max(peak_, live_);
+    largest_ = std::max(largest_, static_cast<int64_t>(n));
     blocks_[data] = Block{std::move(inner), static_cast<int64_t>(n)};
     return {data, data, &release, device};
   }
   c10::Allocator* base_;
   mutable std::mutex mutex_;
   mutable std::map<void*, Block> blocks_;
-  mutable int64_t live_ = 0, peak_ = 0;
+  mutable int64_t live_ = 0, peak_ = 0, largest_ = 0;
 };
 
 // Installs the counter as the CPU allocator while it lives.

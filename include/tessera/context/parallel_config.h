@@ -20,16 +20,25 @@ namespace context {
 //   2.5d: tp = q·q·depth, SUMMA replicated over depth (Tesseract)
 //   3d:   tp = q·q·q
 enum class TensorMode { k1D, k2D, k2p5D, k3D };
-// How attention is split over the sequence ranks.
-enum class SequenceMode { kUlysses, kRing };
+// How attention is split over the sequence ranks (docs/sequence-parallel.md):
+//   ulysses: all-to-all from a sequence split to a head split and back
+//   ring:    ring attention, keys and values passed around with an online softmax
+//   rsa:     ring self-attention (keys, then values, around the ring)
+enum class SequenceMode { kUlysses, kRing, kRsa };
+// Which tokens of a sequence a sequence rank holds: P contiguous chunks, or
+// 2P chunks with rank r holding r and 2P-1-r (balances causal work).
+enum class SequenceSplit { kContiguous, kZigzag };
 
 // "1d", "2d", "2.5d", "3d".
 std::string tensor_mode_name(TensorMode mode);
 // Parses the names above (case-insensitive); throws c10::Error listing them.
 TensorMode parse_tensor_mode(const std::string& name);
-// "ulysses", "ring".
+// "ulysses", "ring", "rsa".
 std::string sequence_mode_name(SequenceMode mode);
 SequenceMode parse_sequence_mode(const std::string& name);
+// "contiguous", "zigzag".
+std::string sequence_split_name(SequenceSplit split);
+SequenceSplit parse_sequence_split(const std::string& name);
 
 // The four dimensions of the rank grid. Expert parallelism is not a dimension
 // of its own: expert groups are carved out of the data dimension.
@@ -55,6 +64,7 @@ struct ParallelConfig {
   TORCH_ARG(int, tensor_depth) = 1;
   TORCH_ARG(int, sequence) = 1;
   TORCH_ARG(SequenceMode, sequence_mode) = SequenceMode::kUlysses;
+  TORCH_ARG(SequenceSplit, sequence_split) = SequenceSplit::kContiguous;
   // Expert-parallel size; divides data.
   TORCH_ARG(int, expert) = 1;
   // Grid dimensions, innermost (adjacent ranks) first.

@@ -88,7 +88,7 @@ class LayerFactory {
   // each rank sees only its sequence shard.
   virtual ParamPlacement replicated_param(const at::Tensor& param) const = 0;
   // Every parameter of `module` (names of named_parameters()) with its placement.
-  NamedPlacements placements(torch::nn::Module& module) const;
+  virtual NamedPlacements placements(torch::nn::Module& module) const;
 
   // Logits [.., vocab shard] from block-layout hidden states and the
   // vocabulary embedding (tied head) this factory made.
@@ -98,9 +98,10 @@ class LayerFactory {
 };
 
 // The factory for the context's tensor and sequence modes: 1D (and its
-// sequence-parallel variant), 2D, 2.5D and 3D. Modes whose layers do not
-// exist yet (a sequence or expert group) are refused on every rank with the
-// mode and what to use instead.
+// sequence-parallel variant), 2D, 2.5D and 3D, and sequence parallelism
+// (sequence size > 1, on 1D). An expert group (no layers yet) and sequence
+// parallelism on another tensor mode are refused on every rank with what to
+// use instead.
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
                                                  bool sequence_parallel = false);
 
@@ -109,6 +110,16 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
 // (ctx->seed(kData) and ctx->seed(kTensor), Note [Dropout seeds]).
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
                                               uint64_t seed_block, uint64_t seed_sharded);
+
+// Sequence parallelism over `sequence_group` on top of a 1D factory (mode
+// "1d"): block layout [b, S/P, h] holding the positions of
+// SequenceLayout(split), core_attention by `mode` (nn/sequence_attention.h),
+// the loss normalized over the whole sequence, and every parameter's
+// gradient partial over the sequence group (Note [Sequence-parallel data
+// path] in the source). Sequence lengths must divide into the split's chunks.
+std::shared_ptr<LayerFactory> make_sequence_factory(std::shared_ptr<LayerFactory> inner,
+                                                    comm::CommunicatorPtr sequence_group,
+                                                    context::SequenceMode mode, context::SequenceSplit split);
 
 // The 2D (Optimus) / 2.5D (Tesseract) factory over the context's grid:
 // block layout [b/(q·d), s, h/q], SUMMA linears, heads split over the grid's

@@ -64,11 +64,14 @@ struct ShardedModuleOptions {
   // Reduce gradients from the backward hooks as buckets fill; false waits for
   // the end of backward (for measuring what overlap gains).
   TORCH_ARG(bool, overlap) = true;
-  // Divide reduced gradients by the data size (the mean over the global batch).
+  // Divide reduced gradients by the data size (the mean over the global
+  // batch; sequence ranks share their sequences, so they are not counted).
   TORCH_ARG(bool, average) = true;
   // Broadcast parameters and buffers from data rank 0 at construction.
   TORCH_ARG(bool, sync_module_states) = true;
-  // The group to shard over; default: the context's data group.
+  // The group to shard over; default: the context's data group, or its
+  // data x sequence group when the sequence size is > 1 (Note [Sequence
+  // ranks in the data reduction] in sharded_module.cpp).
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
   // Placements of the module's parameters (a tensor-parallel model's
   // placements(), nn/placement.h); parameters not listed are whole and

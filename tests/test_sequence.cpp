@@ -1,0 +1,355 @@
+// Sequence parallelism against serial computation written here in plain
+// LibTorch (attention) or in tests/reference_gpt.h (the GPT): each mode
+// (ulysses, ring, rsa) and split (contiguous, zigzag) at 2, 3 and 4 ranks,
+// with 1D tensor parallelism and data parallelism; the traced bytes of each
+// attention against its formula; the largest allocation of ring attention;
+// and the refusals.
+#include "test_util.h"
+
+#include "counting_allocator.h"
+#include "gpt_weights.h"
+#include "reference_gpt.h"
+
+#include "tessera/comm/tracing_communicator.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/models/gpt.h"
+#include "tessera/nn/sequence_attention.h"
+#include "tessera/nn/shard.h"
+#include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/parallel/whole_norms.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+namespace tessera {
+namespace {
+
+constexpr double kRelTolerance = 1e-5;  // fp32, relative to the norm of the serial tensor
+using context::ParallelConfig;
+using context::SequenceMode;
+using context::SequenceSplit;
+using test::rel_error;
+
+struct ModeCase {
+  SequenceMode mode;
+  SequenceSplit split;
+};
+
+std::string case_name(const ::testing::TestParamInfo<ModeCase>& info) {
+  return context::sequence_mode_name(info.param.mode) + "_" + context::sequence_split_name(info.param.split);
+}
+
+const std::vector<ModeCase> kCases = {
+    {SequenceMode::kUlysses, SequenceSplit::kContiguous}, {SequenceMode::kUlysses, SequenceSplit::kZigzag},
+    {SequenceMode::kRing, SequenceSplit::kContiguous},    {SequenceMode::kRing, SequenceSplit::kZigzag},
+    {SequenceMode::kRsa, SequenceSplit::kContiguous},     {SequenceMode::kRsa, SequenceSplit::kZigzag}};
+
+// Causal softmax(q·kᵀ/√d)·v over whole sequences [b, h, S, d].
+at::Tensor serial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t s = q.size(2);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor future = at::ones({s, s}, at::kBool).triu(1);
+  return at::matmul(at::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1), v);
+}
+
+torch::nn::AnyModule make_attention(const ModeCase& c, int64_t head_dim, const comm::CommunicatorPtr& group) {
+  nn::SequenceLayout layout(group->size(), group->rank(), c.split);
+  torch::nn::AnyModule none(torch::nn::Identity{});
+  switch (c.mode) {
+    case SequenceMode::kUlysses:
+      return torch::nn::AnyModule(nn::UlyssesAttention(head_dim, none, group, layout));
+    case SequenceMode::kRing:
+      return torch::nn::AnyModule(nn::RingAttention(head_dim, group, layout));
+    case SequenceMode::kRsa:
+      return torch::nn::AnyModule(nn::RingSelfAttention(head_dim, none, group, layout));
+  }
+  return {};
+}
+
+class SequenceAttention : public ::testing::TestWithParam<ModeCase> {};
+
+// Output and the gradients of q, k and v of this rank's tokens equal the
+// serial attention's rows at its positions, in fp32 and fp64.
+TEST_P(SequenceAttention, EqualsSerialAttention) {
+  auto group = test::world();
+  const int p = group->size();
+  if (p > 4) GTEST_SKIP() << "runs at 1 to 4 ranks";
+  const int64_t b = 2, h = 12, s = 24, d = 4;  // 12 heads and 24 tokens divide for P = 1..4 in both splits
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const double tol = dtype == at::kFloat ? kRelTolerance : 1e-12;
+    at::Tensor q = test::seeded_randn({b, h, s, d}, 1, dtype).requires_grad_();
+    at::Tensor k = test::seeded_randn({b, h, s, d}, 2, dtype).requires_grad_();
+    at::Tensor v = test::seeded_randn({b, h, s, d}, 3, dtype).requires_grad_();
+    const at::Tensor dout = test::seeded_randn({b, h, s, d}, 4, dtype);
+    const at::Tensor out = serial_attention(q, k, v);
+    out.backward(dout);
+
+    nn::SequenceLayout layout(p, group->rank(), GetParam().split);
+    const at::Tensor pos = layout.positions(s);
+    auto local = [&](const at::Tensor& t) { return t.detach().index_select(2, pos).requires_grad_(); };
+    at::Tensor lq = local(q), lk = local(k), lv = local(v);
+    auto attention = make_attention(GetParam(), d, group);
+    const at::Tensor lout = attention.forward(lq, lk, lv, pos);
+    lout.backward(dout.index_select(2, pos));
+    EXPECT_LE(rel_error(lout.detach(), out.detach().index_select(2, pos)), tol);
+    EXPECT_LE(rel_error(lq.grad(), q.grad().index_select(2, pos)), tol);
+    EXPECT_LE(rel_error(lk.grad(), k.grad().index_select(2, pos)), tol);
+    EXPECT_LE(rel_error(lv.grad(), v.grad().index_select(2, pos)), tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SequenceAttention, ::testing::ValuesIn(kCases), case_name);
+
+// Full logits [b, S, vocab] from every rank's [b, S/P, V_p/tp] block.
+at::Tensor full_logits(const at::Tensor& local, const context::ParallelContextPtr& ctx,
+                       const nn::LayerFactory& factory, int64_t vocab) {
+  const at::Tensor vocab_full = nn::unshard(local, -1, *ctx->comm(context::ParallelMode::kTensor));
+  return factory.gather_activation(vocab_full).narrow(-1, 0, vocab);
+}
+
+void zero_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters())
+    if (p.grad().defined()) p.mutable_grad().zero_();
+}
+
+// c_attn's bias without its key rows (see test_gpt_grid.cpp): softmax
+// ignores the key bias, so its gradient is rounding noise that AdamW amplifies.
+at::Tensor without_key_bias(const at::Tensor& bias, const models::GPTConfig& c) {
+  const int64_t d = c.hidden / c.heads;
+  return bias.view({c.heads, 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
+}
+
+void expect_weights_equal(const std::map<std::string, at::Tensor>& serial, models::GPTImpl& gpt,
+                          const models::GPTConfig& c, double tolerance) {
+  for (const auto& [name, value] : gpt.full_state()) {
+    const bool c_attn_bias = name.find("c_attn.bias") != std::string::npos;
+    EXPECT_LE(rel_error(c_attn_bias ? without_key_bias(value, c) : value,
+                        c_attn_bias ? without_key_bias(serial.at(name), c) : serial.at(name)),
+              tolerance)
+        << name;
+  }
+}
+
+// The sequence layouts a world size runs: the whole world as the sequence
+// group, and sp2 x tp2 at 4 ranks.
+std::vector<ParallelConfig> gpt_configs(int world, const ModeCase& m) {
+  std::vector<ParallelConfig> configs;
+  auto base = [&](int sp, int tp) {
+    return ParallelConfig().sequence(sp).tensor(tp).sequence_mode(m.mode).sequence_split(m.split);
+  };
+  // The tiny GPT's 4 heads: Ulysses needs them to divide over the sequence ranks.
+  if (world >= 2 && world <= 4 && (m.mode != SequenceMode::kUlysses || 4 % world == 0)) configs.push_back(base(world, 1));
+  if (world == 4) configs.push_back(base(2, 2));
+  return configs;
+}
+
+class SequenceGPT : public ::testing::TestWithParam<ModeCase> {};
+
+// Logits, loss (with ignored targets), every gradient, and 5 AdamW steps,
+// with and without activation checkpointing.
+TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
+  auto world = test::world();
+  const auto configs = gpt_configs(world->size(), GetParam());
+  if (configs.empty()) GTEST_SKIP() << "no sequence layout of this mode at " << world->size() << " ranks";
+  constexpr int64_t kBatch = 2, kSeq = 24;
+  for (const ParallelConfig& config : configs) {
+    for (const std::string variant : {"fp32", "checkpointed", "fp64"}) {
+      SCOPED_TRACE(context::to_string(config) + " " + variant);
+      models::GPTConfig c = models::GPTConfig::preset("tiny");
+      c.checkpoint_activations = variant == "checkpointed";
+      const bool fp64 = variant == "fp64";
+      const double tol = fp64 ? 1e-12 : kRelTolerance;
+      const auto full = test::gpt_initial_weights(c, 7);
+      auto ctx = context::ParallelContext::create(world, config);
+      test::ReferenceGPT serial(test::reference_config(c));
+      serial->load_full_state(full);
+      models::GPT gpt(c, nn::make_layer_factory(ctx));
+      EXPECT_EQ(gpt->factory()->mode(), "1d+" + context::sequence_mode_name(config.sequence_mode()));
+      gpt->load_full_state(full);
+      if (fp64) {
+        serial->to(at::kDouble);
+        gpt->to(at::kDouble);
+      }
+      torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step <= 5; ++step) {
+        zero_grads(*serial);
+        zero_grads(*gpt);
+        const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab, kBatch, kSeq);
+        at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab, kBatch, kSeq);
+        targets[0][kSeq - 1] = -100;  // ignored targets: the mean counts the others only
+        targets[1][2] = -100;
+        const at::Tensor serial_logits = serial->forward(ids);
+        const at::Tensor serial_loss = serial->loss(serial_logits, targets);
+        serial_loss.backward();
+        const at::Tensor logits = gpt->forward(ids);
+        const at::Tensor loss = gpt->loss(logits, targets);
+        loss.backward();
+        gpt->reduce_partial_gradients();
+        EXPECT_LE(rel_error(loss.detach(), serial_loss.detach()), tol) << "loss at step " << step;
+        if (step == 0) {
+          EXPECT_LE(rel_error(full_logits(logits.detach(), ctx, *gpt->factory(), c.vocab), serial_logits.detach()),
+                    tol);
+          const auto serial_grads = serial->full_state(true);
+          for (const auto& [name, grad] : gpt->full_state(true))
+            EXPECT_LE(rel_error(grad, serial_grads.at(name)), tol) << "gradient of " << name;
+        }
+        if (step < 5) {
+          serial_opt.step();
+          opt.step();
+        }
+      }
+      // AdamW divides each gradient by its own size, so fp32 rounding (which
+      // differs with every layout's summation order) in a gradient that
+      // nearly cancels becomes a visible step: after 5 steps the first
+      // layer's attention weights agree within 1e-4 in fp32, and within
+      // 1e-10 in fp64, which shows that this is rounding.
+      expect_weights_equal(serial->full_state(), *gpt, c, fp64 ? 1e-10 : 1e-4);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SequenceGPT, ::testing::ValuesIn(kCases), case_name);
+
+// One forward and backward of each attention moves, per rank, with E =
+// b·h·n·d elements of one q, k or v block (4 bytes each) over P ranks
+// (docs/sequence-parallel.md):
+//   ring     send 2E per shift: P-1 shifts forward, P-1 (keys and values)
+//            and P (their gradients) backward: (3P-2)·2E
+//   rsa      send E per shift: keys and values forward (2(P-1)), keys and
+//            values again and their gradients backward (2(P-1) + 2P): (6P-4)·E
+//   ulysses  all_to_all of 3E (q, k, v) and E (output), and the same
+//            backward: 8E, of which (P-1)/P leaves the rank
+TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
+  comm::WorldOptions options;
+  options.trace = std::make_shared<comm::CommTrace>();
+  auto group = comm::make_world_communicator(options);
+  const int p = group->size();
+  if (p == 1 || p > 4) GTEST_SKIP() << "runs at 2 to 4 ranks";
+  const int64_t b = 2, h = 12, s = 24, d = 4, e = b * h * (s / p) * d;
+  for (const ModeCase& m : kCases) {
+    SCOPED_TRACE(context::sequence_mode_name(m.mode) + " " + context::sequence_split_name(m.split));
+    nn::SequenceLayout layout(p, group->rank(), m.split);
+    const at::Tensor pos = layout.positions(s);
+    auto local = [&](uint64_t seed) {
+      return test::seeded_randn({b, h, s, d}, seed).index_select(2, pos).requires_grad_();
+    };
+    at::Tensor q = local(1), k = local(2), v = local(3);
+    auto attention = make_attention(m, d, group);
+    options.trace->reset();
+    attention.forward(q, k, v, pos).backward(test::seeded_randn({b, h, s, d}, 4).index_select(2, pos));
+    const std::string name = group->name();
+    const auto send = options.trace->get(name, comm::OpType::kSend);
+    const auto recv = options.trace->get(name, comm::OpType::kRecv);
+    const auto a2a = options.trace->get(name, comm::OpType::kAllToAll);
+    switch (m.mode) {
+      case SequenceMode::kRing:
+        EXPECT_EQ(send.calls, 3 * p - 2);
+        EXPECT_EQ(send.bytes, (3 * p - 2) * 2 * e * 4);
+        EXPECT_EQ(a2a.calls, 0);
+        break;
+      case SequenceMode::kRsa:
+        EXPECT_EQ(send.calls, 6 * p - 4);
+        EXPECT_EQ(send.bytes, (6 * p - 4) * e * 4);
+        EXPECT_EQ(a2a.calls, 0);
+        break;
+      case SequenceMode::kUlysses:
+        EXPECT_EQ(send.calls, 0);
+        EXPECT_EQ(a2a.calls, 4);
+        EXPECT_EQ(a2a.bytes, 8 * e * 4);
+        EXPECT_DOUBLE_EQ(a2a.bus_bytes, 8.0 * e * 4 * (p - 1) / p);
+        break;
+    }
+    EXPECT_EQ(recv.calls, send.calls);
+    EXPECT_EQ(options.trace->total(name).calls, send.calls + recv.calls + a2a.calls) << options.trace->to_string();
+  }
+}
+
+// Ring attention never forms an S x S (or n x S) score matrix: its largest
+// allocation is a key/value block pair or one n x n score block, and its
+// peak memory for one forward and backward is at most 1/P of the serial
+// attention's plus one block. Measured with the counting allocator.
+TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
+  auto group = test::world();
+  const int p = group->size();
+  if (p == 1 || p > 4) GTEST_SKIP() << "runs at 2 to 4 ranks";
+  const int64_t b = 1, h = 2, s = 960, d = 16, n = s / p;  // 960 divides by 2P for P = 2, 3, 4
+  auto& counter = test::CountingAllocator::instance();
+  auto measure = [&](const std::function<void()>& fn) {
+    test::CountingScope scope;
+    counter.reset_peak();
+    const int64_t before = counter.live();
+    fn();
+    return std::make_pair(counter.peak() - before, counter.largest());
+  };
+  const at::Tensor q = test::seeded_randn({b, h, s, d}, 1), k = test::seeded_randn({b, h, s, d}, 2);
+  const at::Tensor v = test::seeded_randn({b, h, s, d}, 3), dout = test::seeded_randn({b, h, s, d}, 4);
+  const auto serial = measure([&] {
+    at::Tensor sq = q.clone().requires_grad_(), sk = k.clone().requires_grad_(), sv = v.clone().requires_grad_();
+    serial_attention(sq, sk, sv).backward(dout);
+  });
+  for (SequenceSplit split : {SequenceSplit::kContiguous, SequenceSplit::kZigzag}) {
+    SCOPED_TRACE(context::sequence_split_name(split));
+    nn::SequenceLayout layout(p, group->rank(), split);
+    const at::Tensor pos = layout.positions(s);
+    const auto ring = measure([&] {
+      at::Tensor lq = q.index_select(2, pos).requires_grad_(), lk = k.index_select(2, pos).requires_grad_();
+      at::Tensor lv = v.index_select(2, pos).requires_grad_();
+      nn::RingAttention attention(d, group, layout);
+      attention->forward(lq, lk, lv, pos).backward(dout.index_select(2, pos));
+    });
+    const int64_t kv_block = 2 * b * h * n * d * 4;
+    EXPECT_LE(ring.second, std::max(kv_block, b * h * n * n * 4)) << "largest allocation";
+    EXPECT_LT(ring.second, b * h * n * s * 4) << "a row block of the S x S scores was allocated";
+    EXPECT_LE(ring.first, serial.first / p + kv_block)
+        << "peak " << ring.first << " bytes against the serial " << serial.first;
+  }
+}
+
+// Bad input is refused on every rank with the value and the rule.
+TEST(SequenceRefusals, EveryRankGetsTheMessage) {
+  auto world = test::world();
+  const int p = world->size();
+  if (p < 2) GTEST_SKIP() << "needs a sequence group";
+  const models::GPTConfig c = models::GPTConfig::preset("tiny");
+  auto make = [&](ParallelConfig config) {
+    auto ctx = context::ParallelContext::create(world, config.sequence(p));
+    return models::GPT(c, nn::make_layer_factory(ctx));
+  };
+  // A sequence that does not divide into the split's chunks.
+  const at::Tensor odd = test::seeded_token_ids(1, c.vocab, 2, 2 * p + 1);
+  EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kRing))->forward(odd),
+                        "does not divide into", "equal chunks");
+  const at::Tensor p_only = test::seeded_token_ids(1, c.vocab, 2, 3 * p);
+  EXPECT_ERROR_CONTAINS(
+      make(ParallelConfig().sequence_mode(SequenceMode::kRing).sequence_split(SequenceSplit::kZigzag))->forward(p_only),
+      "zigzag split", "2 chunks per rank");
+  // Ulysses needs whole heads per sequence rank (the tiny GPT has 4).
+  if (4 % p != 0) {
+    EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kUlysses))
+                              ->forward(test::seeded_token_ids(1, c.vocab, 2, 4 * p)),
+                          "heads (per tensor rank) do not divide over");
+  }
+  // Ring attention forms no probabilities to drop.
+  models::GPTConfig dropped = c;
+  dropped.dropout = 0.1;
+  auto ring_ctx = context::ParallelContext::create(world, ParallelConfig().sequence(p).sequence_mode(SequenceMode::kRing));
+  EXPECT_ERROR_CONTAINS(models::GPT(dropped, nn::make_layer_factory(ring_ctx)), "does not apply dropout",
+                        "rsa or ulysses");
+  // Sequence parallelism runs on 1D, without the 1D sequence-parallel variant.
+  auto ctx = context::ParallelContext::create(world, ParallelConfig().sequence(p));
+  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, true), "both split the sequence");
+  if (p == 8) {
+    auto grid = context::ParallelContext::create(
+        world, ParallelConfig().sequence(2).tensor(4).tensor_mode(context::TensorMode::k2D));
+    EXPECT_ERROR_CONTAINS(nn::make_layer_factory(grid), "runs on tensor mode 1d");
+  }
+}
+
+}  // namespace
+}  // namespace tessera
