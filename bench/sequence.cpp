@@ -21,6 +21,7 @@
 
 #include <tessera/models/gpt.h>
 #include <tessera/tessera.h>
+#include <torch/optim/adamw.h>
 
 #include <fmt/format.h>
 

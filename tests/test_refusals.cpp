@@ -32,11 +32,15 @@ std::shared_ptr<torch::optim::Optimizer> adamw(const std::vector<std::pair<std::
   return std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
 }
 
-TEST(Refusals, SequenceSizeIsRefusedByTheFactoryAndTheTrainer) {
+// Sequence parallelism runs on plain 1D layers only.
+TEST(Refusals, SequenceSizeOutsidePlain1DIsRefused) {
   if (test::world()->size() % 2 != 0) GTEST_SKIP() << "sequence size 2 needs an even world";
   auto ctx = context_of(context::ParallelConfig().sequence(2));
-  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx), "sequence size 2", "set sequence size 1");
-  EXPECT_ERROR_CONTAINS((train::Trainer(ctx, tiny_model(), adamw)), "sequence size 2", "set sequence size 1");
+  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, /*sequence_parallel=*/true), "sequence size 2",
+                        "both split the sequence");
+  if (test::world()->size() % 8 != 0) return;
+  auto grid = context_of(context::ParallelConfig().sequence(2).tensor(4).tensor_mode(context::TensorMode::k2D));
+  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(grid), "sequence size 2", "runs on tensor mode 1d", "tensor mode 2d");
 }
 
 TEST(Refusals, ExpertSizeIsRefusedByTheFactoryAndTheTrainer) {

@@ -56,6 +56,8 @@ at::Tensor serial_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return at::matmul(at::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1), v);
 }
 
+nn::ParallelDropout no_dropout() { return nn::ParallelDropout(nn::ParallelDropoutOptions(0.0, 1)); }
+
 torch::nn::AnyModule make_attention(const ModeCase& c, int64_t head_dim, const comm::CommunicatorPtr& group) {
   nn::SequenceLayout layout(group->size(), group->rank(), c.split);
   torch::nn::AnyModule none(torch::nn::Identity{});
@@ -63,7 +65,7 @@ torch::nn::AnyModule make_attention(const ModeCase& c, int64_t head_dim, const c
     case SequenceMode::kUlysses:
       return torch::nn::AnyModule(nn::UlyssesAttention(head_dim, none, group, layout));
     case SequenceMode::kRing:
-      return torch::nn::AnyModule(nn::RingAttention(head_dim, group, layout));
+      return torch::nn::AnyModule(nn::RingAttention(head_dim, no_dropout(), group, layout));
     case SequenceMode::kRsa:
       return torch::nn::AnyModule(nn::RingSelfAttention(head_dim, none, group, layout));
   }
@@ -300,7 +302,7 @@ TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
     const auto ring = measure([&] {
       at::Tensor lq = q.index_select(2, pos).requires_grad_(), lk = k.index_select(2, pos).requires_grad_();
       at::Tensor lv = v.index_select(2, pos).requires_grad_();
-      nn::RingAttention attention(d, group, layout);
+      nn::RingAttention attention(d, no_dropout(), group, layout);
       attention->forward(lq, lk, lv, pos).backward(dout.index_select(2, pos));
     });
     const int64_t kv_block = 2 * b * h * n * d * 4;
@@ -308,6 +310,61 @@ TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
     EXPECT_LT(ring.second, b * h * n * s * 4) << "a row block of the S x S scores was allocated";
     EXPECT_LE(ring.first, serial.first / p + kv_block)
         << "peak " << ring.first << " bytes against the serial " << serial.first;
+  }
+}
+
+// Ring attention's dropout (Note [Ring attention dropout]): it drops (the
+// output differs from p = 0 and repeats under the same stream state), and
+// its backward uses the forward's masks: the gradient of a global sum
+// <out, w> matches central differences taken with the stream restored, for
+// elements of q, k and v on every rank, in fp64.
+TEST(SequenceAttention, RingDropoutBackwardUsesTheForwardMasks) {
+  auto group = test::world();
+  const int p = group->size();
+  if (p > 4) GTEST_SKIP() << "runs at 1 to 4 ranks";
+  const int64_t b = 1, h = 2, s = 24, d = 4;
+  for (SequenceSplit split : {SequenceSplit::kContiguous, SequenceSplit::kZigzag}) {
+    SCOPED_TRACE(context::sequence_split_name(split));
+    nn::SequenceLayout layout(p, group->rank(), split);
+    const at::Tensor pos = layout.positions(s);
+    auto local = [&](uint64_t seed) {
+      return test::seeded_randn({b, h, s, d}, seed, at::kDouble).index_select(2, pos).requires_grad_();
+    };
+    std::vector<at::Tensor> qkv = {local(1), local(2), local(3)};
+    const at::Tensor w = test::seeded_randn({b, h, s, d}, 4, at::kDouble).index_select(2, pos);
+    nn::ParallelDropout drop(nn::ParallelDropoutOptions(0.3, 11 + group->rank()));
+    nn::RingAttention attention(d, drop, group, layout);
+    const auto state = drop->rng_state();
+    auto global_sum = [&](const at::Tensor& out) {
+      at::Tensor total = (out * w).sum().detach().clone().reshape({1});
+      group->all_reduce(total);
+      return total.item<double>();
+    };
+    const at::Tensor out = attention->forward(qkv[0], qkv[1], qkv[2], pos);
+    (out * w).sum().backward();
+    drop->set_rng_state(state);
+    EXPECT_TRUE(at::equal(attention->forward(qkv[0], qkv[1], qkv[2], pos), out.detach())) << "same stream, same masks";
+    nn::RingAttention undropped(d, no_dropout(), group, layout);
+    EXPECT_GT(rel_error(out.detach(), undropped->forward(qkv[0], qkv[1], qkv[2], pos).detach()), 1e-3);
+    const double eps = 1e-6;
+    for (int which = 0; which < 3; ++which) {
+      for (int trial = 0; trial < 2 * p; ++trial) {
+        const int owner = trial % p;
+        const int64_t flat = (7 * trial + 3 * which) % qkv[which].numel();
+        double analytic = group->rank() == owner ? qkv[which].grad().reshape({-1})[flat].item<double>() : 0.0;
+        auto shifted = [&](double delta) {
+          at::NoGradGuard no_grad;
+          at::Tensor moved = qkv[which].detach().clone();
+          if (group->rank() == owner) moved.reshape({-1})[flat] += delta;
+          std::vector<at::Tensor> in = {qkv[0].detach(), qkv[1].detach(), qkv[2].detach()};
+          in[which] = moved;
+          drop->set_rng_state(state);
+          return global_sum(attention->forward(in[0], in[1], in[2], pos));
+        };
+        const double numeric = (shifted(eps) - shifted(-eps)) / (2 * eps);
+        if (group->rank() == owner) EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric)));
+      }
+    }
   }
 }
 
@@ -335,12 +392,6 @@ TEST(SequenceRefusals, EveryRankGetsTheMessage) {
                               ->forward(test::seeded_token_ids(1, c.vocab, 2, 4 * p)),
                           "heads (per tensor rank) do not divide over");
   }
-  // Ring attention forms no probabilities to drop.
-  models::GPTConfig dropped = c;
-  dropped.dropout = 0.1;
-  auto ring_ctx = context::ParallelContext::create(world, ParallelConfig().sequence(p).sequence_mode(SequenceMode::kRing));
-  EXPECT_ERROR_CONTAINS(models::GPT(dropped, nn::make_layer_factory(ring_ctx)), "does not apply dropout",
-                        "rsa or ulysses");
   // Sequence parallelism runs on 1D, without the 1D sequence-parallel variant.
   auto ctx = context::ParallelContext::create(world, ParallelConfig().sequence(p));
   EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, true), "both split the sequence");

@@ -98,11 +98,9 @@ class SequenceFactory : public LayerFactory {
         return torch::nn::AnyModule(
             RingSelfAttention(head_dim, dropout(p, DropoutSite::kSharded), group_, layout_));
       case context::SequenceMode::kRing:
-        TORCH_CHECK(p == 0, "sequence mode ring does not apply dropout to attention probabilities (its online "
-                    "softmax never forms them), but attention dropout ", p, " was asked for; set the dropout to 0, "
-                    "or use sequence mode rsa or ulysses");
         (void)heads;
-        return torch::nn::AnyModule(RingAttention(head_dim, group_, layout_));
+        return torch::nn::AnyModule(
+            RingAttention(head_dim, dropout(p, DropoutSite::kSharded).get<ParallelDropout>(), group_, layout_));
     }
     TORCH_INTERNAL_ASSERT(false, "unknown sequence mode");
   }

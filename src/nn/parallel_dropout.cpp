@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <mutex>
 
 namespace tessera {
@@ -36,6 +37,12 @@ at::Tensor ParallelDropoutImpl::forward(const at::Tensor& input) {
   at::Tensor mask = at::empty_like(input, input.options().requires_grad(false));
   mask.bernoulli_(keep, generator_for(input.device()));
   return input * mask.div_(keep);
+}
+
+uint64_t ParallelDropoutImpl::draw_seed() {
+  at::Tensor seed = at::empty({1}, at::kLong);
+  seed.random_(0, std::numeric_limits<int64_t>::max(), generator_for(c10::Device(c10::kCPU)));
+  return static_cast<uint64_t>(seed.item<int64_t>());
 }
 
 namespace {

@@ -5,7 +5,10 @@
 
 #include "sequence_checks.h"
 
+#include "tessera/core/hash.h"
+
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <cmath>
@@ -33,6 +36,18 @@ namespace {
 // skipped, one whose keys all come before needs no mask, and only the
 // diagonal pairs are masked. Sums run in float32 (float64 for double inputs).
 
+// Note [Ring attention dropout]
+// Dropout acts on the normalized probabilities P, which ring attention never
+// forms; it can still drop them block by block, because the output is
+// Σ_j (Z_j ∘ P_j)·v_j with Z_j the block's scaled keep-mask, and P_j = p_j / l
+// with l the undropped normalizer. So the forward adds (Z ∘ p)·v_j to the
+// numerator and p (undropped) to l. Backward: dv_j += (Z ∘ p)ᵀ·dO and
+// ds = p ∘ (Z ∘ (dO·v_jᵀ) - D), with D = rowsum(dO ∘ O) as without dropout.
+// Z is drawn on the CPU from a generator seeded with (a seed drawn from the
+// layer's ParallelDropout stream once per forward, the key block's owner,
+// the query and key chunk), so backward draws the same masks again and
+// activation checkpointing replays them through the layer's stream.
+
 struct Chunk {
   int64_t begin;  // local token index
   int64_t length;
@@ -57,6 +72,17 @@ Overlap overlap(const Chunk& queries, const Chunk& keys) {
 }
 
 // [queries, keys]: true where the key comes after the query.
+// The scaled keep-mask of one (query chunk, key block's chunk) pair.
+at::Tensor keep_mask(uint64_t seed, int src, size_t q_chunk, size_t k_chunk, double p, at::IntArrayRef shape,
+                     const at::TensorOptions& options) {
+  uint64_t h = splitmix64(seed ^ splitmix64(static_cast<uint64_t>(src) + 1));
+  h = splitmix64(h ^ (static_cast<uint64_t>(q_chunk) << 8 | static_cast<uint64_t>(k_chunk)));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(h);
+  at::Tensor mask = at::empty(shape, at::TensorOptions().dtype(options.dtype()));
+  mask.bernoulli_(1.0 - p, gen);
+  return mask.div_(1.0 - p).to(options.device());
+}
+
 at::Tensor future_mask(const Chunk& queries, const Chunk& keys, const at::Device& device) {
   auto opts = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor qp = at::arange(queries.first, queries.first + queries.length, opts);
@@ -66,7 +92,8 @@ at::Tensor future_mask(const Chunk& queries, const Chunk& keys, const at::Device
 
 struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, comm::CommunicatorPtr group, SequenceLayout layout) {
+                            const at::Tensor& v, comm::CommunicatorPtr group, SequenceLayout layout, double drop,
+                            int64_t drop_seed) {
     const auto ct = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const at::Tensor qc = q.to(ct).contiguous();
     const at::Tensor kv = at::stack({k, v}).to(ct).contiguous();
@@ -79,9 +106,12 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     at::Tensor acc = at::zeros_like(qc);
     const auto queries = chunks_of(layout, seq_len, layout.rank());
     comm::ring_pass(*group, kv, [&](int src, const at::Tensor& block) {
-      for (const Chunk& kc : chunks_of(layout, seq_len, src)) {
+      const auto keys = chunks_of(layout, seq_len, src);
+      for (size_t ki = 0; ki < keys.size(); ++ki) {
+        const Chunk& kc = keys[ki];
         const at::Tensor kk = block[0].narrow(2, kc.begin, kc.length), vv = block[1].narrow(2, kc.begin, kc.length);
-        for (const Chunk& qch : queries) {
+        for (size_t qi = 0; qi < queries.size(); ++qi) {
+          const Chunk& qch = queries[qi];
           const Overlap o = overlap(qch, kc);
           if (o == Overlap::kNone) continue;
           at::Tensor s = at::matmul(qc.narrow(2, qch.begin, qch.length), kk.transpose(-2, -1)).mul_(scale);
@@ -94,7 +124,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
           const at::Tensor p = at::exp(s - m_safe.unsqueeze(-1));
           const at::Tensor alpha = at::exp(mv - m_safe);
           lv.mul_(alpha).add_(p.sum(-1));
-          av.mul_(alpha.unsqueeze(-1)).add_(at::matmul(p, vv));
+          const at::Tensor kept =
+              drop > 0 ? p * keep_mask(static_cast<uint64_t>(drop_seed), src, qi, ki, drop, p.sizes(), p.options()) : p;
+          av.mul_(alpha.unsqueeze(-1)).add_(at::matmul(kept, vv));
           mv.copy_(m_new);
         }
       }
@@ -104,6 +136,8 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const at::Tensor lse = m + at::log(l);
     ctx->save_for_backward({qc, kv, out, lse});
     ctx->saved_data["group"] = at::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group, layout));
+    ctx->saved_data["drop"] = drop;
+    ctx->saved_data["drop_seed"] = drop_seed;
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(q.scalar_type()),
                                                      static_cast<int64_t>(k.scalar_type()),
                                                      static_cast<int64_t>(v.scalar_type())};
@@ -124,15 +158,20 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const at::Tensor dout = grads[0].to(qc.scalar_type());
     const int64_t seq_len = qc.size(2) * layout.size();
     const double scale = 1.0 / std::sqrt(static_cast<double>(qc.size(-1)));
+    const double drop = ctx->saved_data["drop"].toDouble();
+    const auto drop_seed = static_cast<uint64_t>(ctx->saved_data["drop_seed"].toInt());
 
     const at::Tensor delta = (dout * out).sum(-1);
     at::Tensor dq = at::zeros_like(qc);
     const auto queries = chunks_of(layout, seq_len, layout.rank());
     at::Tensor dkv = comm::ring_pass_reduce(*g->group, kv, [&](int src, const at::Tensor& block) {
       at::Tensor contribution;
-      for (const Chunk& kc : chunks_of(layout, seq_len, src)) {
+      const auto keys = chunks_of(layout, seq_len, src);
+      for (size_t ki = 0; ki < keys.size(); ++ki) {
+        const Chunk& kc = keys[ki];
         const at::Tensor kk = block[0].narrow(2, kc.begin, kc.length), vv = block[1].narrow(2, kc.begin, kc.length);
-        for (const Chunk& qch : queries) {
+        for (size_t qi = 0; qi < queries.size(); ++qi) {
+          const Chunk& qch = queries[qi];
           const Overlap o = overlap(qch, kc);
           if (o == Overlap::kNone) continue;
           if (!contribution.defined()) contribution = at::zeros_like(kv);
@@ -141,8 +180,12 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
           at::Tensor p = at::matmul(qq, kk.transpose(-2, -1)).mul_(scale);
           p.sub_(lse.narrow(2, qch.begin, qch.length).unsqueeze(-1)).exp_();
           if (o == Overlap::kCausal) p.masked_fill_(future_mask(qch, kc, p.device()), 0.0);
-          contribution[1].narrow(2, kc.begin, kc.length).add_(at::matmul(p.transpose(-2, -1), dd));
+          const at::Tensor mask =
+              drop > 0 ? keep_mask(drop_seed, src, qi, ki, drop, p.sizes(), p.options()) : at::Tensor();
+          contribution[1].narrow(2, kc.begin, kc.length)
+              .add_(at::matmul((mask.defined() ? p * mask : p).transpose(-2, -1), dd));
           at::Tensor ds = at::matmul(dd, vv.transpose(-2, -1));
+          if (mask.defined()) ds.mul_(mask);
           ds.sub_(delta.narrow(2, qch.begin, qch.length).unsqueeze(-1)).mul_(p).mul_(scale);
           dq.narrow(2, qch.begin, qch.length).add_(at::matmul(ds, kk));
           contribution[0].narrow(2, kc.begin, kc.length).add_(at::matmul(ds.transpose(-2, -1), qq));
@@ -151,7 +194,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       return contribution;
     });
     auto as = [&](const at::Tensor& t, size_t i) { return t.to(static_cast<at::ScalarType>(dtypes[i])); };
-    return {as(dq, 0), as(dkv[0], 1), as(dkv[1], 2), at::Tensor(), at::Tensor()};
+    return {as(dq, 0), as(dkv[0], 1), as(dkv[1], 2), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
   struct GroupHolder : torch::CustomClassHolder {
@@ -163,8 +206,11 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
 
 }  // namespace
 
-RingAttentionImpl::RingAttentionImpl(int64_t head_dim, comm::CommunicatorPtr group, SequenceLayout layout)
-    : head_dim_(head_dim), group_(std::move(group)), layout_(layout) {
+RingAttentionImpl::RingAttentionImpl(int64_t head_dim, ParallelDropout dropout, comm::CommunicatorPtr group,
+                                     SequenceLayout layout)
+    : head_dim_(head_dim), dropout_(std::move(dropout)), group_(std::move(group)), layout_(layout) {
+  TORCH_CHECK(!dropout_.is_empty(), "RingAttention: the dropout layer is null (give one with p = 0 for none)");
+  register_module("dropout", dropout_);
   TORCH_CHECK(head_dim_ > 0, "RingAttention: head_dim must be positive, got ", head_dim_);
   TORCH_CHECK(group_ != nullptr && group_->size() == layout_.size() && group_->rank() == layout_.rank(),
               "RingAttention: the sequence group and the layout must describe the same ranks");
@@ -173,7 +219,9 @@ RingAttentionImpl::RingAttentionImpl(int64_t head_dim, comm::CommunicatorPtr gro
 at::Tensor RingAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& positions) {
   check_sequence_attention("RingAttention", q, k, v, positions, head_dim_, layout_);
-  return RingAttentionFunction::apply(q, k, v, group_, layout_);
+  const double drop = is_training() ? dropout_->options.p() : 0.0;
+  const int64_t seed = drop > 0 ? static_cast<int64_t>(dropout_->draw_seed()) : 0;
+  return RingAttentionFunction::apply(q, k, v, group_, layout_, drop, seed);
 }
 
 }  // namespace nn

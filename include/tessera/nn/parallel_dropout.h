@@ -46,6 +46,11 @@ class ParallelDropoutImpl : public torch::nn::Cloneable<ParallelDropoutImpl> {
   // activation checkpointing can replay a forward's masks; set_rng_state
   // makes the layer draw from copies of `state` (a device missing from it
   // restarts from the seed). Note [Activation checkpointing and RNG].
+  // A seed drawn from the layer's CPU stream, for a layer that makes its
+  // masks in pieces it must draw again in backward (ring attention): the
+  // stream advances as a mask would advance it, and checkpointing replays it.
+  uint64_t draw_seed();
+
   using RngState = std::map<std::string, at::Generator>;
   RngState rng_state() const;
   void set_rng_state(const RngState& state);

@@ -16,6 +16,7 @@
 //                         then values around the ring.
 #include "tessera/comm/communicator.h"
 #include "tessera/nn/attention.h"
+#include "tessera/nn/parallel_dropout.h"
 #include "tessera/nn/sequence_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -45,13 +46,15 @@ TORCH_MODULE(UlyssesAttention);
 
 class RingAttentionImpl : public torch::nn::Module {
  public:
-  // No dropout on the probabilities: they are never formed (the factory
-  // refuses a dropout > 0 for this mode).
-  RingAttentionImpl(int64_t head_dim, comm::CommunicatorPtr group, SequenceLayout layout);
+  // `dropout` (p may be 0) drops attention probabilities block by block:
+  // each block's mask is drawn from a seed of its stream and the block's
+  // coordinates, and drawn again in backward (Note [Ring attention dropout]).
+  RingAttentionImpl(int64_t head_dim, ParallelDropout dropout, comm::CommunicatorPtr group, SequenceLayout layout);
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
 
  private:
   int64_t head_dim_;
+  ParallelDropout dropout_;
   comm::CommunicatorPtr group_;
   SequenceLayout layout_;
 };
