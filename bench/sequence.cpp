@@ -13,7 +13,10 @@
 // and one line per mode with the longest sequence of the list whose peak
 // stays within --budget-mb per rank.
 //
-//   mpirun -np 4 sequence [--seqs 1024,2048,4096,8192] [--layers 2]
+// At one rank every mode is the serial GPT: `--modes 1d` gives the
+// single-rank figures.
+//
+//   mpirun -np 4 sequence [--seqs 1024,2048,4096,8192] [--modes 1d,ulysses,ring,rsa] [--layers 2]
 //       [--hidden 128] [--heads 4] [--batch 1] [--vocab 512] [--budget-mb 512]
 //       [--steps 1] [--warmup 1] [--rounds 1]
 #include "bench_util.h"
@@ -25,6 +28,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <sstream>
 #include <vector>
 
@@ -39,6 +43,7 @@ struct Args {
   int64_t layers = 2, hidden = 128, heads = 4, batch = 1, vocab = 512, budget_mb = 512;
   int64_t steps = 1, warmup = 1, rounds = 1;
   std::string seqs = "1024,2048,4096,8192";
+  std::string modes = "1d,ulysses,ring,rsa";
 };
 
 struct Mode {
@@ -59,13 +64,15 @@ std::vector<int64_t> parse_list(const std::string& text) {
 
 // Elements one step moves per rank (docs/sequence-parallel.md): the
 // attention's traffic per layer with E = b·h_local·n·d, the loss's
-// all-reduce and the gradient all-reduce over data x sequence; for 1D the
-// tensor group's all-reduces.
+// all-reduce, the vocabulary-parallel cross entropy's 3·b·n (on a tensor
+// group of one rank here: traced, nothing moves) and the gradient
+// all-reduce over data x sequence; for 1D the tensor group's all-reduces.
 int64_t analytical_elements(const ParallelConfig& c, const Args& a, int64_t seq, int64_t params) {
   const int64_t p = c.sequence(), L = a.layers;
   if (p == 1) {
+    // One rank: the layers skip their all-reduces; the loss's are traced.
     const int64_t T = a.batch * seq;
-    return (4 * L + 2) * T * a.hidden + 3 * T;
+    return (c.tensor() > 1 ? (4 * L + 2) * T * a.hidden : 0) + 3 * T;
   }
   const int64_t e = a.batch * a.heads * (seq / p) * (a.hidden / a.heads);
   int64_t per_layer = 0;
@@ -80,7 +87,7 @@ int64_t analytical_elements(const ParallelConfig& c, const Args& a, int64_t seq,
       per_layer = 8 * e;
       break;
   }
-  return L * per_layer + 1 + params;
+  return L * per_layer + 1 + 3 * a.batch * (seq / p) + params;
 }
 
 }  // namespace
@@ -98,7 +105,7 @@ int main(int argc, char** argv) {
                         {"--steps", &a.steps},
                         {"--warmup", &a.warmup},
                         {"--rounds", &a.rounds}},
-                       {{"--seqs", &a.seqs}}, "the comment at the top of bench/sequence.cpp");
+                       {{"--seqs", &a.seqs}, {"--modes", &a.modes}}, "the comment at the top of bench/sequence.cpp");
     for (const char* flag : {"--dp", "--pp", "--tp", "--tp-mode", "--sp", "--sp-mode", "--sp-split", "--ep"})
       TORCH_CHECK(!bench::flag_given(argc, argv, flag), "sequence chooses the grid of every mode itself; drop ", flag);
     const std::vector<int64_t> seqs = parse_list(a.seqs);
@@ -113,7 +120,14 @@ int main(int argc, char** argv) {
         {"ulysses", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kUlysses)},
         {"ring", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kRing).sequence_split(SequenceSplit::kZigzag)},
         {"rsa", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kRsa)}};
+    std::stringstream listed(a.modes);
+    for (std::string name; std::getline(listed, name, ',');) {
+      const bool known = std::any_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; });
+      TORCH_CHECK(known, "--modes lists '", name, "', which is not a mode of this benchmark; use a comma-separated ",
+                  "subset of 1d,ulysses,ring,rsa");
+    }
     for (const Mode& mode : modes) {
+      if (("," + a.modes + ",").find("," + mode.name + ",") == std::string::npos) continue;
       int64_t longest = 0;
       for (int64_t seq : seqs) {
         auto ctx = tessera::context::ParallelContext::create(world, mode.config);
