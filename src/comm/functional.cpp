@@ -93,6 +93,34 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t scatter_dim, int64_t gath
   return unstack_chunks(received, g);
 }
 
+at::Tensor all_to_all_rows(const at::Tensor& input, const std::vector<int64_t>& send_splits,
+                           const std::vector<int64_t>& recv_splits, const Communicator& comm) {
+  const auto n = static_cast<size_t>(comm.size());
+  TORCH_CHECK(input.dim() > 0, "all_to_all_rows on communicator '", comm.name(),
+              "': a 0-dimensional tensor has no rows");
+  TORCH_CHECK(send_splits.size() == n && recv_splits.size() == n, "all_to_all_rows on communicator '", comm.name(),
+              "': ", send_splits.size(), " send and ", recv_splits.size(), " receive splits for a group of ", n,
+              " ranks; give one of each per rank");
+  int64_t sent = 0, received = 0;
+  for (size_t r = 0; r < n; ++r) {
+    TORCH_CHECK(send_splits[r] >= 0 && recv_splits[r] >= 0, "all_to_all_rows on communicator '", comm.name(),
+                "': negative split for rank ", r);
+    sent += send_splits[r];
+    received += recv_splits[r];
+  }
+  TORCH_CHECK(sent == input.size(0), "all_to_all_rows on communicator '", comm.name(), "': send splits sum to ", sent,
+              " rows, but the input has ", input.size(0));
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape[0] = received;
+  at::Tensor out = at::empty(shape, input.options());
+  if (n == 1) return out.copy_(input);
+  AllToAllOptions options;
+  options.input_split_sizes = send_splits;
+  options.output_split_sizes = recv_splits;
+  const_cast<Communicator&>(comm).all_to_all(out, input.contiguous(), options);
+  return out;
+}
+
 }  // namespace raw
 
 namespace {
@@ -193,6 +221,23 @@ struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
   }
 };
 
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> send,
+                            std::vector<int64_t> recv, CommunicatorPtr comm) {
+    save_comm(ctx, comm);
+    at::Tensor out = raw::all_to_all_rows(x, send, recv, *comm);
+    ctx->saved_data["send"] = std::move(send);
+    ctx->saved_data["recv"] = std::move(recv);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector();
+    const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
+    // The adjoint runs the exchange in reverse: what came from rank r goes back to it.
+    return {raw::all_to_all_rows(g[0], recv, send, load_comm(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor copy_to_group(const at::Tensor& input, const CommunicatorPtr& comm) {
@@ -223,6 +268,11 @@ at::Tensor all_to_all_along_dims(const at::Tensor& input, int64_t scatter_dim, i
                                  const CommunicatorPtr& comm) {
   if (comm && comm->size() == 1) return input;
   return AllToAllAlongDims::apply(input, scatter_dim, gather_dim, comm);
+}
+at::Tensor all_to_all_rows(const at::Tensor& input, std::vector<int64_t> send_splits,
+                           std::vector<int64_t> recv_splits, const CommunicatorPtr& comm) {
+  TORCH_CHECK(comm != nullptr, "all_to_all_rows: the communicator is null");
+  return AllToAllRows::apply(input, std::move(send_splits), std::move(recv_splits), comm);
 }
 
 }  // namespace comm
