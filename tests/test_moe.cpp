@@ -1,0 +1,312 @@
+// The mixture-of-experts layer against a serial MoE written here in plain
+// LibTorch (one loop per expert over its assignments, capacity applied per
+// rank's tokens): outputs, auxiliary losses, router and expert gradients and
+// 5 AdamW steps at every expert size that divides the world, dropless and
+// with capacity (by position and by probability), top-1 and top-2; every
+// token routed to one rank's experts; traced all-to-all bytes for a known
+// routing; and the refusals.
+#include "test_util.h"
+
+#include "tessera/comm/tracing_communicator.h"
+#include "tessera/context/parallel_context.h"
+#include "tessera/nn/moe.h"
+#include "tessera/parallel/sharded_module.h"
+#include "tessera/parallel/sharded_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+namespace tessera {
+namespace {
+
+constexpr double kRelTolerance = 1e-5;
+constexpr int64_t kHidden = 8, kFfn = 12, kTokens = 12;  // tokens per data rank
+constexpr int kSteps = 5;
+
+struct Case {
+  std::string name;
+  int64_t top_k;
+  bool renormalize;
+  c10::optional<double> capacity;
+  nn::MoEDropPolicy policy;
+};
+
+const std::vector<Case> kCases = {
+    {"top1_dropless", 1, false, c10::nullopt, nn::MoEDropPolicy::kPosition},
+    {"top2_dropless_renorm", 2, true, c10::nullopt, nn::MoEDropPolicy::kPosition},
+    {"top1_capacity_position", 1, false, 1.0, nn::MoEDropPolicy::kPosition},
+    {"top2_capacity_probability", 2, false, 0.75, nn::MoEDropPolicy::kProbability}};
+
+int64_t experts_for(int n) { return n % 3 == 0 ? 6 : 8; }
+
+// Skewed: positive tokens and a router whose first two rows point along
+// them, the rest against them: every token's first choice is expert 0 (on
+// expert rank 0) and its second expert 1; the other experts receive nothing.
+bool g_skewed = false;
+
+using Weights = std::map<std::string, at::Tensor>;
+
+Weights full_weights(int64_t experts, uint64_t seed) {
+  at::Tensor router = test::seeded_randn({experts, kHidden}, seed) * 0.5;
+  if (g_skewed) {
+    router = -at::ones({experts, kHidden});
+    router[0].fill_(2.0);
+    router[1].fill_(1.0);
+  }
+  return {{"router.weight", router},
+          {"c_fc.weight", test::seeded_randn({experts, kFfn, kHidden}, seed + 1) * 0.3},
+          {"c_fc.bias", test::seeded_randn({experts, kFfn}, seed + 2) * 0.1},
+          {"c_proj.weight", test::seeded_randn({experts, kHidden, kFfn}, seed + 3) * 0.3},
+          {"c_proj.bias", test::seeded_randn({experts, kHidden}, seed + 4) * 0.1}};
+}
+
+at::Tensor tokens_of(int64_t d, int step) {
+  const at::Tensor x = test::seeded_randn({2, kTokens / 2, kHidden}, 100 + 16 * d + step);
+  return g_skewed ? x.abs() : x;
+}
+at::Tensor dout_of(int64_t d) { return test::seeded_randn({2, kTokens / 2, kHidden}, 900 + d); }
+
+struct SerialResult {
+  std::vector<at::Tensor> outputs;  // per data rank
+  double aux = 0, z = 0;
+  Weights grads;
+};
+
+// One step of the serial MoE over every data rank's tokens: each rank's
+// tokens form a group (capacity counts a group); the auxiliary losses are
+// over all tokens. Loss = mean over ranks of <out_d, dout_d> + coefficients ·
+// (aux, z). Gradients land in `w` (requires_grad).
+SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const nn::MoEOptions& o) {
+  const int64_t experts = w["router.weight"].size(0);
+  SerialResult res;
+  at::Tensor loss = at::zeros({}, at::kFloat);
+  at::Tensor routed = at::zeros({experts}, at::kDouble), prob_sum = at::zeros({experts}, at::kFloat);
+  at::Tensor z_sum = at::zeros({}, at::kFloat);
+  for (int64_t d = 0; d < dp; ++d) {
+    const at::Tensor x = tokens_of(d, step).reshape({-1, kHidden});
+    const at::Tensor logits = at::matmul(x, w["router.weight"].t());
+    const at::Tensor probs = at::softmax(logits, -1);
+    const auto top = probs.topk(c.top_k, -1);
+    at::Tensor gates = std::get<0>(top);
+    if (c.renormalize) gates = gates / gates.sum(-1, true);
+    const at::Tensor idx = std::get<1>(top);
+    at::Tensor out = at::zeros_like(x);
+    for (int64_t e = 0; e < experts; ++e) {
+      // Assignments to e in routing order: slot-major, then token.
+      std::vector<std::pair<int64_t, int64_t>> list;  // (token, slot)
+      for (int64_t j = 0; j < c.top_k; ++j)
+        for (int64_t t = 0; t < x.size(0); ++t)
+          if (idx[t][j].item<int64_t>() == e) list.emplace_back(t, j);
+      routed[e] += static_cast<double>(list.size());
+      if (c.capacity) {
+        const auto cap = static_cast<size_t>(std::ceil(*c.capacity * c.top_k * x.size(0) / experts));
+        if (c.policy == nn::MoEDropPolicy::kProbability)
+          std::stable_sort(list.begin(), list.end(),
+                           [&](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
+                             return gates[a.first][a.second].item<float>() > gates[b.first][b.second].item<float>();
+                           });
+        if (list.size() > cap) list.resize(cap);
+      }
+      for (const auto& [t, j] : list) {
+        const at::Tensor h = at::gelu(at::linear(x[t], w["c_fc.weight"][e], w["c_fc.bias"][e]));
+        out = out.index_add(0, at::tensor({t}), (at::linear(h, w["c_proj.weight"][e], w["c_proj.bias"][e]) * gates[t][j]).unsqueeze(0));
+      }
+    }
+    res.outputs.push_back(out.detach().view({2, kTokens / 2, kHidden}));
+    loss = loss + (out.view({2, kTokens / 2, kHidden}) * dout_of(d)).sum() / static_cast<double>(dp);
+    prob_sum = prob_sum + probs.sum(0);
+    const at::Tensor lse = at::logsumexp(logits, -1);
+    z_sum = z_sum + (lse * lse).sum();
+  }
+  const double total = static_cast<double>(dp * kTokens);
+  const at::Tensor f = (routed / (c.top_k * total)).to(at::kFloat);
+  const at::Tensor aux = experts * (f * prob_sum / total).sum();
+  const at::Tensor z = z_sum / total;
+  res.aux = aux.item<double>();
+  res.z = z.item<double>();
+  (loss + o.aux_loss_coef() * aux + o.z_loss_coef() * z).backward();
+  for (auto& [name, t] : w) res.grads[name] = t.grad().clone();
+  return res;
+}
+
+nn::MoEOptions options_for(const Case& c, int64_t experts) {
+  return nn::MoEOptions(kHidden, kFfn, experts)
+      .top_k(c.top_k)
+      .renormalize(c.renormalize)
+      .capacity_factor(c.capacity)
+      .drop_policy(c.policy)
+      .aux_loss_coef(0.1)
+      .z_loss_coef(0.01)
+      .init_seed(7);
+}
+
+// eps 1e-4: AdamW's first step moves each weight by lr · g / (|g| + eps),
+// so a gradient whose terms cancel to rounding size (one b_fc element at 4
+// ranks: -5.9e-8 here, -5.7e-8 serially) turns a 2e-9 difference into
+// lr · 2e-9 / eps. With eps 1e-8 that is a fifth of a step; with 1e-4 it is
+// invisible, and for gradients well above eps AdamW moves as it would with
+// the default.
+torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.01).eps(1e-4); }
+
+struct ParallelRun {
+  context::ParallelContextPtr ctx;
+  nn::MoE moe{nullptr};
+  nn::NamedPlacements placements;
+  std::shared_ptr<parallel::ShardedModule> sharded;
+  std::unique_ptr<parallel::ShardedOptimizer> opt;
+};
+
+ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, const std::string& spec) {
+  ParallelRun r;
+  r.ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().expert(ep));
+  nn::MoEGroups groups;
+  groups.expert = r.ctx->comm(context::ParallelMode::kExpert);
+  groups.expert_data = r.ctx->comm(context::ParallelMode::kExpertData);
+  groups.tokens = r.ctx->comm(context::ParallelMode::kData);
+  r.moe = nn::MoE(o, groups);
+  r.placements = nn::placements_of(*r.moe, [](const at::Tensor& p) { return nn::replicated_placement(p); });
+  for (const auto& [name, p] : r.placements) nn::load_full(p, init.at(name));
+  r.sharded = std::make_shared<parallel::ShardedModule>(
+      r.moe.ptr(), r.ctx,
+      parallel::ShardedModuleOptions().spec(parallel::ShardingSpec::parse(spec)).placements(r.placements));
+  auto inner = std::make_shared<torch::optim::AdamW>(r.moe->parameters(),
+                                                     adamw_options());
+  r.opt = std::make_unique<parallel::ShardedOptimizer>(r.sharded, inner);
+  return r;
+}
+
+void expect_equal_to_serial(int ep, const Case& c, const std::string& spec) {
+  const int n = test::world()->size();
+  const int64_t experts = experts_for(n);
+  const std::string what = c.name + ", ep " + std::to_string(ep) + ", " + spec;
+  const nn::MoEOptions o = options_for(c, experts);
+  const Weights init = full_weights(experts, 31);
+
+  Weights serial;
+  for (const auto& [name, t] : init) serial[name] = t.clone().requires_grad_();
+  std::vector<at::Tensor> params;
+  for (auto& [name, t] : serial) params.push_back(t);
+  torch::optim::AdamW serial_opt(params, adamw_options());
+
+  ParallelRun run = make_parallel(ep, o, init, spec);
+  const int64_t d = run.ctx->rank(context::ParallelMode::kData);
+  for (int step = 0; step < kSteps; ++step) {
+    serial_opt.zero_grad();
+    const SerialResult ref = serial_step(serial, c, n, step, o);
+    run.opt->zero_grad();
+    const at::Tensor out = run.sharded->run([&] { return run.moe->forward(tokens_of(d, step)); });
+    (out * dout_of(d)).sum().backward();
+    const std::string at_step = what + ", step " + std::to_string(step);
+    EXPECT_LE(test::rel_error(out, ref.outputs[d]), kRelTolerance) << at_step << ": output";
+    EXPECT_NEAR(run.moe->last_stats().aux_loss, ref.aux, kRelTolerance * ref.aux) << at_step << ": aux loss";
+    EXPECT_NEAR(run.moe->last_stats().z_loss, ref.z, kRelTolerance * ref.z) << at_step << ": z loss";
+    if (g_skewed && step == 0) {
+      const auto& routed = run.moe->last_stats().tokens_per_expert;
+      EXPECT_EQ(routed[0], n * kTokens) << at_step;
+      EXPECT_EQ(std::accumulate(routed.begin() + 2, routed.end(), int64_t{0}), 0) << at_step;
+    }
+    if (spec == "ddp") {  // ddp leaves whole averaged gradients in .grad()
+      run.sharded->finish_gradient_sync();
+      for (const auto& [name, p] : run.placements) {
+        const at::Tensor full = nn::full_value(p, /*gradients=*/true);
+        EXPECT_LE(test::rel_error(full, ref.grads.at(name)), kRelTolerance) << at_step << ": gradient of " << name;
+      }
+    }
+    serial_opt.step();
+    run.opt->step();
+  }
+  const auto gathered = run.sharded->full_params();
+  for (const auto& [name, p] : run.placements)
+    EXPECT_LE(test::rel_error(nn::full_value(p), serial.at(name).detach()), kRelTolerance)
+        << what << ": " << name << " after " << kSteps << " AdamW steps";
+}
+
+class MoELayer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoELayer, EqualsSerialIncludingFiveAdamWSteps) {
+  const int n = test::world()->size();
+  for (int ep : {1, 2, 3, 4, 8})
+    if (n % ep == 0 && experts_for(n) % ep == 0) expect_equal_to_serial(ep, GetParam(), "ddp");
+}
+
+INSTANTIATE_TEST_SUITE_P(Routing, MoELayer, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Expert parameters are reduced over the expert-data group under ZeRO-2 as
+// under DDP.
+TEST(MoELayerSharded, Zero2EqualsSerial) {
+  const int n = test::world()->size();
+  if (n < 4) GTEST_SKIP() << "needs ep 2 x dp 2";
+  expect_equal_to_serial(2, kCases[1], "zero2");
+}
+
+// Every token of every rank goes to expert 0 (top-1) or experts 0 and 1
+// (top-2): the ranks without them receive no rows, still take part in every all-to-all, and the
+// gradients are right.
+TEST(MoELayerSkewed, AllTokensToOneRankCompleteWithCorrectGradients) {
+  const int n = test::world()->size();
+  g_skewed = true;
+  for (const Case& c : {kCases[0], kCases[1]}) expect_equal_to_serial(n, c, "ddp");
+  g_skewed = false;
+}
+
+// Known routing (the skewed one, top-1, dropless): rank r sends its T rows
+// to rank 0; rank 0 receives n·T. Traced all-to-all bytes per rank are the
+// inputs (Note [Trace byte counts]): the [E] int64 counts, then forward
+// rows T·h (to rank 0) and back rows (n·T·h on rank 0, 0 elsewhere), and
+// backward the same two in reverse: 8E + 2·T·h·4 + 2·[r = 0]·n·T·h·4.
+// On the wire, rows to a rank's own experts stay home.
+TEST(MoETrace, AllToAllBytesEqualTheFormulaForAKnownRouting) {
+  comm::WorldOptions world_options;
+  world_options.trace = std::make_shared<comm::CommTrace>();
+  auto world = comm::make_world_communicator(world_options);
+  const int n = world->size();
+  if (n == 1) GTEST_SKIP() << "needs an expert group";
+  const int64_t experts = experts_for(n);
+  g_skewed = true;
+  auto ctx = context::ParallelContext::create(world, context::ParallelConfig().expert(n));
+  nn::MoEGroups groups;
+  groups.expert = ctx->comm(context::ParallelMode::kExpert);
+  groups.tokens = ctx->comm(context::ParallelMode::kData);
+  nn::MoE moe(options_for(kCases[0], experts), groups);
+  for (const auto& [name, p] :
+       nn::placements_of(*moe, [](const at::Tensor& t) { return nn::replicated_placement(t); }))
+    nn::load_full(p, full_weights(experts, 31).at(name));
+  const at::Tensor x = tokens_of(world->rank(), 0).requires_grad_();
+  g_skewed = false;
+  world_options.trace->reset();
+  moe->forward(x).sum().backward();
+  const auto a2a = world_options.trace->get(groups.expert->name(), comm::OpType::kAllToAll);
+  const int64_t row = kHidden * 4, first = world->rank() == 0 ? 1 : 0;
+  EXPECT_EQ(a2a.calls, 5);  // counts, rows, back; and the two adjoints
+  EXPECT_EQ(a2a.bytes, experts * 8 + 2 * kTokens * row + 2 * first * n * kTokens * row)
+      << world_options.trace->to_string();
+  // On the wire: T rows each way between rank 0 and each other rank.
+  const double counts_wire = experts * 8.0 * (n - 1) / n;
+  EXPECT_DOUBLE_EQ(a2a.bus_bytes, counts_wire + 2.0 * kTokens * row * (first ? n - 1 : 1));
+}
+
+TEST(MoERefusals, EveryRankGetsTheMessage) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n > 1) {
+    auto ctx = context::ParallelContext::create(world, context::ParallelConfig().expert(n));
+    nn::MoEGroups groups;
+    groups.expert = ctx->comm(context::ParallelMode::kExpert);
+    const std::string count = std::to_string(n + 1) + " experts do not divide over an expert group of " +
+                              std::to_string(n) + " ranks";
+    EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, n + 1), groups), count.c_str(), "choose an expert size");
+  }
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).top_k(5)), "top-k 5 must be between 1 and the 4 experts");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(0.0)), "capacity factor 0 must be positive",
+                        "leave it unset for dropless");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(-1.5)), "capacity factor -1.5");
+}
+
+}  // namespace
+}  // namespace tessera
