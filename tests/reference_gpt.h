@@ -7,7 +7,12 @@
 // Token and position embeddings, dropout, N pre-LayerNorm blocks of causal
 // multi-head self-attention and a 4h exact-GELU MLP, final LayerNorm, an LM
 // head tied to the token embedding (or a separate lm_head), and mean cross
-// entropy with ignore_index -100.
+// entropy with ignore_index -100. With experts > 0, every moe_every-th block
+// has a dropless mixture of experts in place of its MLP: a bias-free router,
+// softmax, top-k gates (renormalized by option), every expert run on every
+// token and the outputs mixed by a dense [tokens, experts] gate matrix
+// (nothing of tessera's sort-and-dispatch); aux_loss() gives the weighted
+// load-balancing and z losses of the last forward over its tokens.
 //
 // Its parameters carry the names and shapes of tessera's GPT::full_state()
 // (Note [GPT full weights]): "wte.weight", "wpe.weight",
@@ -41,6 +46,12 @@ struct ReferenceGPTConfig {
   int64_t hidden = 32;
   double dropout = 0.0;
   bool tied = true;
+  int64_t experts = 0;
+  int64_t moe_every = 1;
+  int64_t top_k = 1;
+  bool renormalize = false;
+  double aux_loss_coef = 0;
+  double z_loss_coef = 0;
 };
 
 // From any config with these fields (models::GPTConfig), without naming it.
@@ -54,6 +65,12 @@ ReferenceGPTConfig reference_config(const Config& c) {
   r.hidden = c.hidden;
   r.dropout = c.dropout;
   r.tied = c.tied;
+  r.experts = c.experts;
+  r.moe_every = c.moe_every;
+  r.top_k = c.top_k;
+  r.renormalize = c.renormalize;
+  r.aux_loss_coef = c.aux_loss_coef;
+  r.z_loss_coef = c.z_loss_coef;
   return r;
 }
 
@@ -126,22 +143,70 @@ struct MLPImpl : torch::nn::Module {
   std::shared_ptr<LinearImpl> c_fc, c_proj;
 };
 
+// Stacked expert weights: weight [E, out, in], bias [E, out].
+struct ExpertsLinearImpl : torch::nn::Module {
+  ExpertsLinearImpl(int64_t experts, int64_t in, int64_t out) {
+    weight = register_parameter("weight", torch::zeros({experts, out, in}));
+    bias = register_parameter("bias", torch::zeros({experts, out}));
+  }
+  torch::Tensor weight, bias;
+};
+
+// Dropless top-k mixture of 4h GELU experts over all tokens of the call.
+struct MoEImpl : torch::nn::Module {
+  MoEImpl(int64_t hidden, const ReferenceGPTConfig& c) : experts(c.experts), top_k(c.top_k), renorm(c.renormalize) {
+    router = register_module("router", std::make_shared<TableImpl>(experts, hidden));
+    c_fc = register_module("c_fc", std::make_shared<ExpertsLinearImpl>(experts, hidden, 4 * hidden));
+    c_proj = register_module("c_proj", std::make_shared<ExpertsLinearImpl>(experts, 4 * hidden, hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor t = x.reshape({-1, x.size(-1)});  // [T, h]
+    const torch::Tensor logits = torch::matmul(t, router->weight.t());
+    const torch::Tensor probs = torch::softmax(logits, -1);
+    const auto top = probs.topk(top_k, -1);
+    torch::Tensor gates = std::get<0>(top);
+    if (renorm) gates = gates / gates.sum(-1, true);
+    const torch::Tensor dense = torch::zeros_like(probs).scatter(1, std::get<1>(top), gates);  // [T, E]
+    // Every expert on every token: [E, T, 4h] then [E, T, h].
+    const torch::Tensor hid =
+        at::gelu(torch::einsum("th,efh->etf", {t, c_fc->weight}) + c_fc->bias.unsqueeze(1));
+    const torch::Tensor y = torch::einsum("etf,ehf->eth", {hid, c_proj->weight}) + c_proj->bias.unsqueeze(1);
+    // f_i: share of the T·k assignments routed to i; P_i: mean probability.
+    const torch::Tensor f = torch::zeros({experts}).index_add(
+        0, std::get<1>(top).reshape({-1}), torch::ones({t.size(0) * top_k}));
+    aux = experts * (f / static_cast<double>(t.size(0) * top_k) * probs.mean(0)).sum();
+    const torch::Tensor lse = torch::logsumexp(logits, -1);
+    z = (lse * lse).mean();
+    return torch::einsum("te,eth->th", {dense, y}).reshape(x.sizes());
+  }
+  int64_t experts, top_k;
+  bool renorm;
+  std::shared_ptr<TableImpl> router;
+  std::shared_ptr<ExpertsLinearImpl> c_fc, c_proj;
+  torch::Tensor aux, z;  // of the last forward
+};
+
 // Pre-LayerNorm block: x + drop(attn(ln_1(x))), then h + drop(mlp(ln_2(h))).
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t hidden, int64_t heads, double drop) : p(drop) {
+  BlockImpl(int64_t hidden, int64_t heads, double drop, const ReferenceGPTConfig* moe_config = nullptr) : p(drop) {
     ln_1 = register_module("ln_1", std::make_shared<LayerNormImpl>(hidden));
     attn = register_module("attn", std::make_shared<AttentionImpl>(hidden, heads, drop));
     ln_2 = register_module("ln_2", std::make_shared<LayerNormImpl>(hidden));
-    mlp = register_module("mlp", std::make_shared<MLPImpl>(hidden));
+    if (moe_config)
+      moe = register_module("mlp", std::make_shared<MoEImpl>(hidden, *moe_config));
+    else
+      mlp = register_module("mlp", std::make_shared<MLPImpl>(hidden));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor h = x + apply_dropout(attn->forward(ln_1->forward(x)), p, is_training());
-    return h + apply_dropout(mlp->forward(ln_2->forward(h)), p, is_training());
+    const torch::Tensor m = ln_2->forward(h);
+    return h + apply_dropout(moe ? moe->forward(m) : mlp->forward(m), p, is_training());
   }
   double p;
   std::shared_ptr<LayerNormImpl> ln_1, ln_2;
   std::shared_ptr<AttentionImpl> attn;
   std::shared_ptr<MLPImpl> mlp;
+  std::shared_ptr<MoEImpl> moe;
 };
 
 }  // namespace reference_detail
@@ -160,7 +225,9 @@ class ReferenceGPTImpl : public torch::nn::Module {
     // Submodule names cannot hold a dot: "h" holds "0", "1", ... ("h.0.ln_1.weight").
     auto h = register_module("h", std::make_shared<torch::nn::Module>());
     for (int64_t i = 0; i < config_.layers; ++i) {
-      blocks_.push_back(std::make_shared<d::BlockImpl>(config_.hidden, config_.heads, config_.dropout));
+      const bool moe = config_.experts > 0 && (i + 1) % config_.moe_every == 0;
+      blocks_.push_back(
+          std::make_shared<d::BlockImpl>(config_.hidden, config_.heads, config_.dropout, moe ? &config_ : nullptr));
       h->register_module(std::to_string(i), blocks_.back());
     }
     ln_f_ = register_module("ln_f", std::make_shared<d::LayerNormImpl>(config_.hidden));
@@ -186,6 +253,15 @@ class ReferenceGPTImpl : public torch::nn::Module {
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
                                                 torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+  }
+
+  // Σ over MoE blocks of aux_loss_coef · load-balancing loss + z_loss_coef ·
+  // z-loss of the last forward (zero without experts).
+  torch::Tensor aux_loss() {
+    torch::Tensor sum = torch::zeros({});
+    for (auto& block : blocks_)
+      if (block->moe) sum = sum + config_.aux_loss_coef * block->moe->aux + config_.z_loss_coef * block->moe->z;
+    return sum;
   }
 
   // Copies every parameter from `state` (GPT::full_state() names and shapes);

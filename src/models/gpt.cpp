@@ -37,7 +37,7 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 
 class GPTBlockImpl : public torch::nn::Module {
  public:
-  GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f)
+  GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f, bool moe, std::shared_ptr<nn::MoELossScale> aux_loss_scale)
       : f_(f), heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads), checkpoint_(c.checkpoint_activations) {
     TORCH_CHECK(c.hidden % c.heads == 0, "GPT hidden size ", c.hidden, " is not divisible by heads ", c.heads);
     ln_1 = f.layer_norm(c.hidden);
@@ -46,7 +46,15 @@ class GPTBlockImpl : public torch::nn::Module {
     attn_proj = f.linear(c.hidden, c.hidden, nn::LinearRole::kRow, true);
     resid_drop_1 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
     ln_2 = f.layer_norm(c.hidden);
-    mlp = f.mlp(c.hidden, 4 * c.hidden);
+    mlp = moe ? f.moe(nn::MoEOptions(c.hidden, 4 * c.hidden, c.experts)
+                          .top_k(c.top_k)
+                          .renormalize(c.renormalize)
+                          .capacity_factor(c.capacity_factor)
+                          .drop_policy(c.drop_policy)
+                          .aux_loss_coef(c.aux_loss_coef)
+                          .z_loss_coef(c.z_loss_coef),
+                      std::move(aux_loss_scale))
+              : f.mlp(c.hidden, 4 * c.hidden);
     resid_drop_2 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
     const std::pair<const char*, torch::nn::AnyModule*> children[] = {
         {"ln_1", &ln_1}, {"c_attn", &c_attn}, {"core_attention", &core_attention}, {"attn_proj", &attn_proj},
@@ -142,8 +150,15 @@ GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> fact
   register_module("wte", wte_.ptr());
   register_module("wpe", wpe_.ptr());
   register_module("drop", drop_.ptr());
+  TORCH_CHECK(config_.experts >= 0 && config_.moe_every >= 1, "GPT: experts (", config_.experts,
+              ") must be >= 0 and moe_every (", config_.moe_every, ") >= 1");
+  TORCH_CHECK(config_.experts > 0 || f.expert_size() == 1, "GPT: expert size ", f.expert_size(),
+              " is configured, but the model has no mixture-of-experts blocks (experts 0); set experts or expert "
+              "size 1");
+  TORCH_CHECK(config_.experts == 0 || config_.moe_every <= config_.layers, "GPT: moe_every ", config_.moe_every,
+              " exceeds the ", config_.layers, " layers, so no block would have experts; lower moe_every");
   for (int64_t i = 0; i < config_.layers; ++i) {
-    blocks_.push_back(std::make_shared<GPTBlockImpl>(config_, f));
+    blocks_.push_back(std::make_shared<GPTBlockImpl>(config_, f, config_.moe_block(i), aux_loss_scale_));
     register_module("h" + std::to_string(i), blocks_.back());
   }
   ln_f_ = f.layer_norm(config_.hidden);
@@ -191,6 +206,13 @@ torch::nn::Sequential GPTImpl::as_sequential() {
 
 at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) {
   return factory_->loss(logits, targets, config_.vocab);
+}
+
+std::vector<nn::MoEStats> GPTImpl::moe_stats() const {
+  std::vector<nn::MoEStats> out;
+  for (const auto& block : blocks_)
+    if (auto moe = std::dynamic_pointer_cast<nn::MoEImpl>(block->mlp.ptr())) out.push_back(moe->last_stats());
+  return out;
 }
 
 void GPTImpl::reduce_partial_gradients() { nn::reduce_partial_gradients(placements()); }

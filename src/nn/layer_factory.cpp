@@ -18,6 +18,11 @@ torch::nn::AnyModule LayerFactory::mlp(int64_t hidden, int64_t ffn) {
   return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, true)));
 }
 
+torch::nn::AnyModule LayerFactory::moe(const MoEOptions& /*options*/, std::shared_ptr<MoELossScale> /*loss_scale*/) {
+  TORCH_CHECK(false, "mixture-of-experts layers run on tensor mode 1d (with or without sequence parallelism), "
+              "not on layers of mode '", mode(), "'; use tensor mode 1d, or a dense model (experts 0)");
+}
+
 NamedPlacements LayerFactory::placements(torch::nn::Module& module) const {
   return placements_of(module, [this](const at::Tensor& p) { return replicated_param(p); });
 }
@@ -34,21 +39,34 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
               " is configured; use tensor mode 1d with sequence parallelism, or sequence size 1");
   TORCH_CHECK(c.sequence() == 1 || !sequence_parallel, "sequence size ", c.sequence(),
               " and the 1D layers' sequence-parallel variant both split the sequence; use one of them");
-  TORCH_CHECK(c.expert() == 1, "expert size ", c.expert(),
-              " is configured, but no layer carries out expert parallelism yet; set expert size 1");
+  TORCH_CHECK(c.expert() == 1 || !grid, "expert size ", c.expert(), " runs on tensor mode 1d, but tensor mode ",
+              context::tensor_mode_name(c.tensor_mode()),
+              " is configured; use tensor mode 1d with experts, or expert size 1");
+  TORCH_CHECK(c.expert() == 1 || !sequence_parallel, "expert size ", c.expert(),
+              " and the 1D layers' sequence-parallel variant do not combine (each tensor rank would route other "
+              "tokens); use sequence parallelism (sequence size > 1) instead of the variant, or expert size 1");
   if (grid) return c.tensor_mode() == context::TensorMode::k3D ? make_3d_factory(ctx) : make_2d_factory(ctx);
+  // Experts split over the expert group, replicated over expert-data; the
+  // auxiliary losses' statistics span every rank holding other tokens.
+  MoEGroups experts;
+  experts.expert = ctx->comm(context::ParallelMode::kExpert);
+  experts.expert_data = ctx->comm(context::ParallelMode::kExpertData);
+  experts.tokens = ctx->comm(c.sequence() > 1 ? context::ParallelMode::kDataSequence : context::ParallelMode::kData);
+  experts.gradient_average = ctx->size(context::ParallelMode::kData);
   if (c.sequence() > 1) {
     // Block activations differ across data and sequence ranks; sharded ones
     // across tensor and sequence ranks (Note [Dropout seeds]).
     auto inner = make_1d_factory(ctx->comm(context::ParallelMode::kTensor), false,
                                  ctx->seed(context::ParallelMode::kDataSequence),
                                  splitmix64(ctx->seed(context::ParallelMode::kTensor) ^
-                                            ctx->seed(context::ParallelMode::kSequence)));
+                                            ctx->seed(context::ParallelMode::kSequence)),
+                                 std::move(experts));
     return make_sequence_factory(std::move(inner), ctx->comm(context::ParallelMode::kSequence), c.sequence_mode(),
                                  c.sequence_split());
   }
   return make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sequence_parallel,
-                         ctx->seed(context::ParallelMode::kData), ctx->seed(context::ParallelMode::kTensor));
+                         ctx->seed(context::ParallelMode::kData), ctx->seed(context::ParallelMode::kTensor),
+                         std::move(experts));
 }
 
 }  // namespace nn

@@ -21,8 +21,9 @@ namespace {
 
 class Factory1D : public LayerFactory {
  public:
-  Factory1D(comm::CommunicatorPtr group, bool sp, uint64_t seed_block, uint64_t seed_sharded)
-      : group_(std::move(group)), sp_(sp), seed_block_(seed_block), seed_sharded_(seed_sharded) {
+  Factory1D(comm::CommunicatorPtr group, bool sp, uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts)
+      : group_(std::move(group)), sp_(sp), seed_block_(seed_block), seed_sharded_(seed_sharded),
+        experts_(std::move(experts)) {
     TORCH_CHECK(group_ != nullptr, "the 1D layer factory needs a tensor-parallel communicator");
   }
 
@@ -80,6 +81,16 @@ class Factory1D : public LayerFactory {
     return torch::nn::AnyModule(ParallelDropout(ParallelDropoutOptions(p, seed)));
   }
 
+  torch::nn::AnyModule moe(const MoEOptions& options, std::shared_ptr<MoELossScale> loss_scale) override {
+    // Tensor ranks hold the same tokens and run the same experts (expert
+    // tensor parallelism is not built); the variant's tokens differ across
+    // them, which the experts' placements do not describe.
+    TORCH_CHECK(!sp_, "mixture-of-experts layers do not run in the 1D sequence-parallel variant; use sequence "
+                "parallelism (sequence size > 1) or the plain 1D layers");
+    return torch::nn::AnyModule(MoE(MoEOptions(options).init_seed(draw_seed()), experts_, std::move(loss_scale)));
+  }
+  int64_t expert_size() const override { return experts_.expert ? experts_.expert->size() : 1; }
+
   ParamPlacement replicated_param(const at::Tensor& param) const override {
     // In the sequence-parallel variant each rank feeds these parameters its
     // sequence shard only: their gradients are partial over the group.
@@ -106,13 +117,15 @@ class Factory1D : public LayerFactory {
   uint64_t seed_block_;
   uint64_t seed_sharded_;
   uint64_t dropouts_ = 0;
+  MoEGroups experts_;
 };
 
 }  // namespace
 
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
-                                              uint64_t seed_block, uint64_t seed_sharded) {
-  return std::make_shared<Factory1D>(std::move(tensor_group), sequence_parallel, seed_block, seed_sharded);
+                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts) {
+  return std::make_shared<Factory1D>(std::move(tensor_group), sequence_parallel, seed_block, seed_sharded,
+                                     std::move(experts));
 }
 
 }  // namespace nn

@@ -105,6 +105,13 @@ class SequenceFactory : public LayerFactory {
     TORCH_INTERNAL_ASSERT(false, "unknown sequence mode");
   }
 
+  // Token-wise: the experts see this rank's tokens of the sequence; their
+  // gradients become partial over the group through placements().
+  torch::nn::AnyModule moe(const MoEOptions& options, std::shared_ptr<MoELossScale> loss_scale) override {
+    return inner_->moe(options, std::move(loss_scale));
+  }
+  int64_t expert_size() const override { return inner_->expert_size(); }
+
   ParamPlacement replicated_param(const at::Tensor& param) const override {
     return inner_->replicated_param(param).partial("sequence", group_);
   }

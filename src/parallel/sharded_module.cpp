@@ -214,7 +214,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   // is partial over the sequence group (its placement says so). By default
   // the wrapper reduces over data x sequence, which sums over the sequence
   // group within the same reduction, and averages over data only; the
-  // sequence group is then dropped from the buckets' partial groups.
+  // sequence group is then dropped from the buckets' partial groups (of the
+  // parameters reduced over the wrapper's group: Note [Replica groups]).
   const bool sequence = !options_.group() && ctx_->has(context::ParallelMode::kSequence) &&
                         ctx_->size(context::ParallelMode::kSequence) > 1;
   group_ = options_.group()
@@ -364,7 +365,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   std::map<const void*, std::vector<comm::CommunicatorPtr>> partial;
   for (const auto& [name, p] : options_.placements()) {
     auto groups = p.gradient_groups();
-    groups.erase(std::remove(groups.begin(), groups.end(), covered), groups.end());
+    // Only the wrapper's own reduction spans the sequence group; a parameter
+    // reduced over a replica group (experts) still sums over it as a partial group.
+    if (layout_index(p.param) == 0) groups.erase(std::remove(groups.begin(), groups.end(), covered), groups.end());
     if (!groups.empty()) partial[p.param.unsafeGetTensorImpl()] = std::move(groups);
   }
   auto groups_of = [&](const ParamSlot& slot) {

@@ -75,6 +75,7 @@ TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt) {
   models::GPTImpl* raw = gpt.get();
   m.loss = [raw](const at::Tensor& logits, const at::Tensor& targets) { return raw->loss(logits, targets); };
   m.placements = gpt->placements();
+  if (gpt->config().experts > 0) m.set_aux_loss_scale = [raw](double scale) { raw->set_aux_loss_scale(scale); };
   m.owner = gpt;
   return m;
 }
@@ -90,8 +91,15 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   options_.lr().validate();
   // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
   const auto& config = ctx_->config();
-  TORCH_CHECK(config.expert() == 1, "Trainer: the context has expert size ", config.expert(),
-              ", but the trainer does not carry out expert parallelism yet; set expert size 1");
+  if (config.expert() > 1) {
+    // The expert group only carries layers that place parameters on it.
+    const auto expert_data = ctx_->comm(context::ParallelMode::kExpertData);
+    bool placed = false;
+    for (const auto& entry : model_.placements) placed = placed || entry.second.replica_group == expert_data;
+    TORCH_CHECK(placed, "Trainer: the context has expert size ", config.expert(),
+                ", but no parameter of the model lives on the expert group (no mixture-of-experts layer); "
+                "set expert size 1 or give the model experts");
+  }
   const int pp = ctx_->has(context::ParallelMode::kPipeline) ? ctx_->size(context::ParallelMode::kPipeline) : 1;
   TORCH_CHECK(pp == 1 || options_.accumulation() == 1,
               "Trainer: with pipeline stages, accumulate through "
@@ -143,6 +151,8 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   const double scale = scaler_ ? scaler_->current_scale() : 1.0;
   if (pipe_) {
     TORCH_CHECK(!scaler_, "Trainer: loss scaling with pipeline stages is not supported yet");
+    // The executor divides each micro-batch's loss by their number.
+    if (model_.set_aux_loss_scale) model_.set_aux_loss_scale(1.0 / options_.pipeline().microbatches());
     const double loss = pipe_->run(inputs, targets);
     sharded_->reduce_gradients();
     return loss;
@@ -151,6 +161,7 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   TORCH_CHECK(n % m == 0, "Trainer: this rank's ", n, " rows do not split into ", m,
               " accumulation micro-batches; make the local batch a multiple of accumulation");
   double total = 0;
+  if (model_.set_aux_loss_scale) model_.set_aux_loss_scale(scale / static_cast<double>(m));
   for (int64_t i = 0; i < m; ++i) {
     sharded_->set_gradient_sync(i == m - 1);
     const at::Tensor x = rows(inputs, i * (n / m), n / m), y = rows(targets, i * (n / m), n / m);

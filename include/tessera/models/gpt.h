@@ -39,6 +39,20 @@ struct GPTConfig {
   // (nn/activation_checkpoint.h): one more block forward per backward, the
   // same gradients, dropout included.
   bool checkpoint_activations = false;
+  // Mixture of experts (nn/moe.h, docs/expert-parallel.md): with experts > 0
+  // every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...) has a
+  // MoE layer of `experts` experts (each a 4h GELU MLP) in place of its MLP,
+  // routing each token to top_k of them; capacity_factor nullopt: dropless.
+  int64_t experts = 0;
+  int64_t moe_every = 1;
+  int64_t top_k = 1;
+  bool renormalize = false;
+  c10::optional<double> capacity_factor = c10::nullopt;
+  nn::MoEDropPolicy drop_policy = nn::MoEDropPolicy::kPosition;
+  double aux_loss_coef = 1e-2;
+  double z_loss_coef = 1e-3;
+
+  bool moe_block(int64_t block) const { return experts > 0 && (block + 1) % moe_every == 0; }
 
   // "tiny" (tests), "small" (GPT-2 124M), "medium" (GPT-2 350M).
   static GPTConfig preset(const std::string& name);
@@ -79,6 +93,13 @@ class GPTImpl : public torch::nn::Module {
   // sits in the full tensor, which groups hold what); local, no communication.
   nn::NamedPlacements placements();
 
+  // The factor the MoE layers' auxiliary-loss gradients are multiplied by
+  // (Note [MoE auxiliary losses]): whoever scales the loss before backward
+  // (1/micro-batches, a loss scale) sets the same factor here first.
+  void set_aux_loss_scale(double scale) { aux_loss_scale_->value = scale; }
+  // What each MoE block of this rank measured in its last forward, in block order.
+  std::vector<nn::MoEStats> moe_stats() const;
+
   const GPTConfig& config() const { return config_; }
   const std::shared_ptr<nn::LayerFactory>& factory() const { return factory_; }
 
@@ -87,6 +108,7 @@ class GPTImpl : public torch::nn::Module {
   std::shared_ptr<nn::LayerFactory> factory_;
   torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;
   std::vector<std::shared_ptr<GPTBlockImpl>> blocks_;
+  std::shared_ptr<nn::MoELossScale> aux_loss_scale_ = std::make_shared<nn::MoELossScale>();
 };
 
 TORCH_MODULE(GPT);

@@ -21,14 +21,16 @@
 //   a model can load and give back full weights whatever the mode.
 // - Slots: core_attention (q, k, v of the local heads and tokens and the
 //   tokens' positions -> attention output) and mlp (block layout -> block
-//   layout) are where sequence-parallel attention and mixture-of-experts
-//   layers plug in without a change to the model.
+//   layout) are where sequence-parallel attention plugs in without a change
+//   to the model; moe (block layout -> block layout, a mixture-of-experts
+//   layer in place of mlp) is the expert slot.
 // - lm_logits gives logits on this rank's vocabulary shard; loss takes them
 //   with full targets [b, s].
 // - Factory-made layers are initialized blockwise from seeds drawn from the
 //   default generator (Note [Layout-independent initialization]).
 #include "tessera/comm/communicator.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/nn/moe.h"
 #include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
@@ -82,6 +84,12 @@ class LayerFactory {
   // and c_proj(gelu(c_fc(x))) from linear(kColumn) and linear(kRow).
   virtual torch::nn::AnyModule core_attention(int64_t heads, int64_t head_dim, double dropout);
   virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn);
+  // A mixture-of-experts layer (nn/moe.h) over this factory's expert groups,
+  // its auxiliary losses' gradient scaled by `loss_scale`. The default
+  // refuses: tensor modes whose layers do not carry experts say so.
+  virtual torch::nn::AnyModule moe(const MoEOptions& options, std::shared_ptr<MoELossScale> loss_scale);
+  // The expert group's size (1: no expert parallelism).
+  virtual int64_t expert_size() const { return 1; }
 
   // The placement of a parameter no layer describes (LayerNorm, position
   // embeddings): replicated over the tensor group, or partial over it where
@@ -97,19 +105,21 @@ class LayerFactory {
   virtual at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) = 0;
 };
 
-// The factory for the context's tensor and sequence modes: 1D (and its
-// sequence-parallel variant), 2D, 2.5D and 3D, and sequence parallelism
-// (sequence size > 1, on 1D). An expert group (no layers yet) and sequence
-// parallelism on another tensor mode are refused on every rank with what to
-// use instead.
+// The factory for the context's tensor, sequence and expert modes: 1D (and
+// its sequence-parallel variant), 2D, 2.5D and 3D, sequence parallelism
+// (sequence size > 1, on 1D) and experts (1D, with or without sequence
+// parallelism). Sequence parallelism or an expert group on another tensor
+// mode is refused on every rank with what to use instead.
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
                                                  bool sequence_parallel = false);
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects
 // its sequence-parallel variant. `seed_block` / `seed_sharded` seed dropout
-// (ctx->seed(kData) and ctx->seed(kTensor), Note [Dropout seeds]).
+// (ctx->seed(kData) and ctx->seed(kTensor), Note [Dropout seeds]). Its MoE
+// layers work over `experts` (experts replicated over the tensor group; not
+// in the sequence-parallel variant).
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
-                                              uint64_t seed_block, uint64_t seed_sharded);
+                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts = {});
 
 // Sequence parallelism over `sequence_group` on top of a 1D factory (mode
 // "1d"): block layout [b, S/P, h] holding the positions of

@@ -43,6 +43,10 @@ struct TrainModel {
   // checkpoint pieces, the gradient groups and the whole norms come from
   // them. named_placements(*layers) (everything whole) when empty.
   Placements placements;
+  // Sets the factor by which auxiliary losses that act through gradients
+  // (MoE load balancing, Note [MoE auxiliary losses]) are scaled, as the
+  // trainer scales the loss before backward; empty: the model has none.
+  std::function<void(double)> set_aux_loss_scale;
   std::shared_ptr<torch::nn::Module> owner;  // keeps the model alive
 };
 
