@@ -71,6 +71,13 @@ Json defaults() {
           {"dropout", 0.0},
           {"accumulation", 1},
           {"checkpoint_activations", false},
+          {"experts", 0},
+          {"top_k", 1},
+          {"moe_every", 1},
+          {"capacity_factor", "dropless"},
+          {"drop_policy", "position"},
+          {"aux_loss_coef", 1e-2},
+          {"z_loss_coef", 1e-3},
           {"data", ""},
           {"save", ""},
           {"save_every", 0},
@@ -146,6 +153,46 @@ tessera::context::ParallelConfig parallel_config(const Json& a) {
   std::vector<const char*> argv;
   for (const auto& w : words) argv.push_back(w.c_str());
   return tessera::context::config_from_args(static_cast<int>(argv.size()), argv.data());
+}
+
+// Load balance of the last step's MoE layers: the largest number of
+// assignments routed to one expert over the mean (1: perfect balance), worst
+// layer; and, averaged over layers, the auxiliary loss and the assignments
+// dropped over capacity. A layer's statistics are global already, but each
+// pipeline stage holds its own layers: sums over the world divided by the
+// number of (rank, layer) pairs count every layer's replicas alike.
+struct MoEBalance {
+  double max_over_mean = 0, aux_loss = 0, dropped = 0;
+};
+
+MoEBalance moe_balance(const tessera::models::GPTImpl& gpt, tessera::comm::Communicator& world) {
+  MoEBalance b;
+  if (gpt.config().experts == 0) return b;
+  double layers = 0;
+  for (const auto& s : gpt.moe_stats()) {
+    if (s.tokens_per_expert.empty()) continue;  // a block of another pipeline stage
+    double total = 0, most = 0;
+    for (int64_t t : s.tokens_per_expert) {
+      total += static_cast<double>(t);
+      most = std::max(most, static_cast<double>(t));
+    }
+    const double mean = total / static_cast<double>(s.tokens_per_expert.size());
+    b.max_over_mean = std::max(b.max_over_mean, mean > 0 ? most / mean : 0.0);
+    b.aux_loss += s.aux_loss;
+    b.dropped += static_cast<double>(s.dropped);
+    layers += 1;
+  }
+  at::Tensor sums = at::tensor({b.aux_loss, b.dropped, layers}, at::kDouble);
+  at::Tensor most = at::tensor({b.max_over_mean}, at::kDouble);
+  world.all_reduce(sums);
+  tessera::comm::AllReduceOptions max;
+  max.op = tessera::comm::ReduceOp::kMax;
+  world.all_reduce(most, max);
+  const double pairs = std::max(1.0, sums[2].item<double>());
+  b.aux_loss = sums[0].item<double>() / pairs;
+  b.dropped = sums[1].item<double>() / pairs;
+  b.max_over_mean = most[0].item<double>();
+  return b;
 }
 
 // The token stream: bytes of a text (vocabulary 256) or uint16 tokens.
@@ -253,6 +300,23 @@ int train(int argc, char** argv) {
     cfg.hidden = a["hidden"];
     cfg.dropout = a["dropout"];
     cfg.checkpoint_activations = a["checkpoint_activations"];
+    cfg.experts = a["experts"];
+    cfg.top_k = a["top_k"];
+    cfg.moe_every = a["moe_every"];
+    cfg.aux_loss_coef = a["aux_loss_coef"];
+    cfg.z_loss_coef = a["z_loss_coef"];
+    const std::string capacity = a["capacity_factor"], policy = a["drop_policy"];
+    if (capacity != "dropless") {
+      try {
+        cfg.capacity_factor = std::stod(capacity);
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "--capacity-factor must be a positive number or 'dropless', got '", capacity, "'");
+      }
+    }
+    TORCH_CHECK(policy == "position" || policy == "probability",
+                "--drop-policy must be position or probability, got '", policy, "'");
+    cfg.drop_policy = policy == "position" ? tessera::nn::MoEDropPolicy::kPosition
+                                           : tessera::nn::MoEDropPolicy::kProbability;
     torch::manual_seed(a["seed"].get<int64_t>());
     // Refuses, on every rank, the modes whose layers do not exist yet.
     auto factory = tessera::nn::make_layer_factory(ctx, a["sequence_parallel"]);
@@ -342,6 +406,7 @@ int train(int argc, char** argv) {
       const double mfu = flops_per_token * tps / (peak_flops * world->size());
       const double state = static_cast<double>(trainer.memory().total());
       const double comm = static_cast<double>(trace->total().bytes) - bytes_before;
+      const MoEBalance moe = moe_balance(*gpt, *world);
       log.record("train", {{"step", st.step},
                            {"loss", st.loss},
                            {"lr", st.lr},
@@ -350,13 +415,20 @@ int train(int argc, char** argv) {
                            {"mfu", mfu},
                            {"model_state_bytes", state},
                            {"comm_bytes", comm},
-                           {"seconds", st.seconds}});
+                           {"seconds", st.seconds},
+                           {"moe_aux_loss", moe.aux_loss},
+                           {"moe_max_over_mean", moe.max_over_mean},
+                           {"moe_dropped", moe.dropped}});
       if (st.step % a["log_every"].get<int64_t>() == 0 || st.step == steps)
         log.print(
             fmt::format("step {:4d}/{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | "
-                        "comm {}/step/rank | {:.0f} ms{}",
+                        "comm {}/step/rank | {:.0f} ms{}{}",
                         st.step, steps, st.loss, st.lr, tps, 100 * mfu, human_bytes(state), human_bytes(comm),
-                        1000 * st.seconds, st.skipped ? " | skipped (overflow)" : ""));
+                        1000 * st.seconds,
+                        cfg.experts > 0 ? fmt::format(" | experts max/mean {:.2f}, aux {:.4f}, dropped {:.0f}",
+                                                      moe.max_over_mean, moe.aux_loss, moe.dropped)
+                                        : std::string(),
+                        st.skipped ? " | skipped (overflow)" : ""));
       if (eval_every > 0 && (st.step % eval_every == 0 || st.step == steps)) {
         auto [vx, vy] = windows(corpus.tokens, split, n, rows, seq, 7 + static_cast<uint64_t>(st.step));
         const double val = trainer.evaluate(local(vx), local(vy));

@@ -43,11 +43,18 @@ TEST(Refusals, SequenceSizeOutsidePlain1DIsRefused) {
   EXPECT_ERROR_CONTAINS(nn::make_layer_factory(grid), "sequence size 2", "runs on tensor mode 1d", "tensor mode 2d");
 }
 
-TEST(Refusals, ExpertSizeIsRefusedByTheFactoryAndTheTrainer) {
+// An expert group needs layers that carry experts: a dense model, the 1D
+// sequence-parallel variant and the grid modes refuse it.
+TEST(Refusals, ExpertSizeWithoutExpertsIsRefused) {
   if (test::world()->size() % 2 != 0) GTEST_SKIP() << "expert size 2 needs an even data size";
   auto ctx = context_of(context::ParallelConfig().expert(2));
-  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx), "expert size 2", "set expert size 1");
-  EXPECT_ERROR_CONTAINS((train::Trainer(ctx, tiny_model(), adamw)), "expert size 2", "set expert size 1");
+  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, /*sequence_parallel=*/true), "expert size 2",
+                        "sequence-parallel variant");
+  EXPECT_ERROR_CONTAINS((train::Trainer(ctx, tiny_model(), adamw)), "expert size 2",
+                        "no mixture-of-experts layer", "set expert size 1");
+  if (test::world()->size() % 8 != 0) return;
+  auto grid = context_of(context::ParallelConfig().expert(2).tensor(4).tensor_mode(context::TensorMode::k2D));
+  EXPECT_ERROR_CONTAINS(nn::make_layer_factory(grid), "expert size 2 runs on tensor mode 1d", "tensor mode 2d");
 }
 
 TEST(Refusals, SequenceParallelVariantIsRefusedIn2D) {
