@@ -36,11 +36,10 @@ struct Case {
   nn::MoEDropPolicy policy;
 };
 
-const std::vector<Case> kCases = {
-    {"top1_dropless", 1, false, c10::nullopt, nn::MoEDropPolicy::kPosition},
-    {"top2_dropless_renorm", 2, true, c10::nullopt, nn::MoEDropPolicy::kPosition},
-    {"top1_capacity_position", 1, false, 1.0, nn::MoEDropPolicy::kPosition},
-    {"top2_capacity_probability", 2, false, 0.75, nn::MoEDropPolicy::kProbability}};
+const std::vector<Case> kCases = {{"top1_dropless", 1, false, c10::nullopt, nn::MoEDropPolicy::kPosition},
+                                  {"top2_dropless_renorm", 2, true, c10::nullopt, nn::MoEDropPolicy::kPosition},
+                                  {"top1_capacity_position", 1, false, 1.0, nn::MoEDropPolicy::kPosition},
+                                  {"top2_capacity_probability", 2, false, 0.75, nn::MoEDropPolicy::kProbability}};
 
 int64_t experts_for(int n) { return n % 3 == 0 ? 6 : 8; }
 
@@ -114,7 +113,8 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
       }
       for (const auto& [t, j] : list) {
         const at::Tensor h = at::gelu(at::linear(x[t], w["c_fc.weight"][e], w["c_fc.bias"][e]));
-        out = out.index_add(0, at::tensor({t}), (at::linear(h, w["c_proj.weight"][e], w["c_proj.bias"][e]) * gates[t][j]).unsqueeze(0));
+        out = out.index_add(0, at::tensor({t}),
+                            (at::linear(h, w["c_proj.weight"][e], w["c_proj.bias"][e]) * gates[t][j]).unsqueeze(0));
       }
     }
     res.outputs.push_back(out.detach().view({2, kTokens / 2, kHidden}));
@@ -145,12 +145,7 @@ nn::MoEOptions options_for(const Case& c, int64_t experts) {
       .init_seed(7);
 }
 
-// eps 1e-4: AdamW's first step moves each weight by lr · g / (|g| + eps),
-// so a gradient whose terms cancel to rounding size (one b_fc element at 4
-// ranks: -5.9e-8 here, -5.7e-8 serially) turns a 2e-9 difference into
-// lr · 2e-9 / eps. With eps 1e-8 that is a fifth of a step; with 1e-4 it is
-// invisible, and for gradients well above eps AdamW moves as it would with
-// the default.
+// Note [AdamW eps in equality tests] in tests/support/test_util.h.
 torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.01).eps(1e-4); }
 
 struct ParallelRun {
@@ -174,8 +169,7 @@ ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, 
   r.sharded = std::make_shared<parallel::ShardedModule>(
       r.moe.ptr(), r.ctx,
       parallel::ShardedModuleOptions().spec(parallel::ShardingSpec::parse(spec)).placements(r.placements));
-  auto inner = std::make_shared<torch::optim::AdamW>(r.moe->parameters(),
-                                                     adamw_options());
+  auto inner = std::make_shared<torch::optim::AdamW>(r.moe->parameters(), adamw_options());
   r.opt = std::make_unique<parallel::ShardedOptimizer>(r.sharded, inner);
   return r;
 }
@@ -274,8 +268,7 @@ TEST(MoETrace, AllToAllBytesEqualTheFormulaForAKnownRouting) {
   groups.expert = ctx->comm(context::ParallelMode::kExpert);
   groups.tokens = ctx->comm(context::ParallelMode::kData);
   nn::MoE moe(options_for(kCases[0], experts), groups);
-  for (const auto& [name, p] :
-       nn::placements_of(*moe, [](const at::Tensor& t) { return nn::replicated_placement(t); }))
+  for (const auto& [name, p] : nn::placements_of(*moe, [](const at::Tensor& t) { return nn::replicated_placement(t); }))
     nn::load_full(p, full_weights(experts, 31).at(name));
   const at::Tensor x = tokens_of(world->rank(), 0).requires_grad_();
   g_skewed = false;
@@ -298,13 +291,15 @@ TEST(MoERefusals, EveryRankGetsTheMessage) {
     auto ctx = context::ParallelContext::create(world, context::ParallelConfig().expert(n));
     nn::MoEGroups groups;
     groups.expert = ctx->comm(context::ParallelMode::kExpert);
-    const std::string count = std::to_string(n + 1) + " experts do not divide over an expert group of " +
-                              std::to_string(n) + " ranks";
-    EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, n + 1), groups), count.c_str(), "choose an expert size");
+    const std::string count =
+        std::to_string(n + 1) + " experts do not divide over an expert group of " + std::to_string(n) + " ranks";
+    EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, n + 1), groups), count.c_str(),
+                          "choose an expert size");
   }
-  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).top_k(5)), "top-k 5 must be between 1 and the 4 experts");
-  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(0.0)), "capacity factor 0 must be positive",
-                        "leave it unset for dropless");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).top_k(5)),
+                        "top-k 5 must be between 1 and the 4 experts");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(0.0)),
+                        "capacity factor 0 must be positive", "leave it unset for dropless");
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(-1.5)), "capacity factor -1.5");
 }
 

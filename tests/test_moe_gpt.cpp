@@ -3,7 +3,8 @@
 // on every token and mixed by a dense gate matrix): 3 steps of SGD-momentum
 // with clipping, losses and gradient norms within 1e-5, and the full
 // weights after them, at expert sizes 1, 2 and 4 with data, tensor,
-// sequence and pipeline parallelism under several sharding specs; a
+// sequence and pipeline parallelism under several sharding specs, with and
+// without activation checkpointing; a
 // checkpoint saved at ep4 loads at ep2 and in one process with the same
 // loss; refusals.
 #include "test_util.h"
@@ -50,6 +51,7 @@ struct Layout {
   ParallelConfig parallel;
   std::string spec;
   int microbatches = 1;
+  bool checkpoint = false;  // activation checkpointing of every block
 };
 
 std::vector<Layout> layouts(int n) {
@@ -59,6 +61,7 @@ std::vector<Layout> layouts(int n) {
       return {{"ep1", ParallelConfig(), "ddp"}};
     case 2:
       return {{"ep2", ParallelConfig().expert(2), "ddp"},
+              {"ep2_checkpointed", ParallelConfig().expert(2), "zero2", 1, true},
               {"ep2_zero3", ParallelConfig().expert(2), "zero3"},
               {"pp2", ParallelConfig().pipeline(2), "ddp", 2}};
     case 4:
@@ -69,7 +72,8 @@ std::vector<Layout> layouts(int n) {
     case 8:
       return {{"ep2_pp2_dp2_zero2", ParallelConfig().pipeline(2).expert(2), "zero2", 2},
               {"ep2_dp2_tp2_rps", ParallelConfig().tensor(2).expert(2), "{R,P(2),S}"},
-              {"ep2_pp2_tp2", ParallelConfig().pipeline(2).tensor(2).expert(2), "ddp", 2}};
+              {"ep2_pp2_tp2", ParallelConfig().pipeline(2).tensor(2).expert(2), "ddp", 2},
+              {"ep4_pp2_checkpointed", ParallelConfig().pipeline(2).expert(4), "ddp", 2, true}};
     default:
       return {};
   }
@@ -87,7 +91,9 @@ struct Model {
 Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t seed) {
   torch::manual_seed(seed);
   Model r;
-  r.gpt = std::make_shared<models::GPTImpl>(config(), nn::make_layer_factory(ctx));
+  auto c = config();
+  c.checkpoint_activations = s.checkpoint;
+  r.gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
   auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);
@@ -258,7 +264,8 @@ TEST(MoEGPTRefusals, EveryRankGetsTheMessage) {
                           "no mixture-of-experts blocks");
     auto odd = config();
     odd.experts = 3;
-    EXPECT_ERROR_CONTAINS(models::GPT(odd, nn::make_layer_factory(ctx)), "3 experts do not divide over an expert group of 2");
+    EXPECT_ERROR_CONTAINS(models::GPT(odd, nn::make_layer_factory(ctx)),
+                          "3 experts do not divide over an expert group of 2");
     EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, /*sequence_parallel=*/true),
                           "expert size 2 and the 1D layers' sequence-parallel variant");
   }
@@ -266,7 +273,8 @@ TEST(MoEGPTRefusals, EveryRankGetsTheMessage) {
     auto ctx = context::ParallelContext::create(
         world, ParallelConfig().tensor(4).tensor_mode(context::TensorMode::k2D).data(1));
     auto c = config();
-    EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)), "mixture-of-experts layers run on tensor mode 1d");
+    EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)),
+                          "mixture-of-experts layers run on tensor mode 1d");
   }
   auto self = world->split(world->rank(), 0, "self");
   auto factory = nn::make_1d_factory(self, false, 1, 2);
