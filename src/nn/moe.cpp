@@ -71,7 +71,8 @@ Routing route(const at::Tensor& probs, const MoEOptions& o) {
     }
     const at::Tensor sorted_expert = expert.index_select(0, order);
     const at::Tensor starts = r.routed.cumsum(0) - r.routed;
-    const at::Tensor rank_in_expert = at::arange(order.numel(), order.options()) - starts.index_select(0, sorted_expert);
+    const at::Tensor rank_in_expert =
+        at::arange(order.numel(), order.options()) - starts.index_select(0, sorted_expert);
     kept = order.masked_select(rank_in_expert < capacity);
   }
   r.token = token.index_select(0, kept);
@@ -104,8 +105,7 @@ MoEImpl::MoEImpl(const MoEOptions& options_, MoEGroups groups, std::shared_ptr<M
     : options(options_), groups_(std::move(groups)), loss_scale_(std::move(loss_scale)) {
   const auto& o = options;
   const int64_t ep = group_size(groups_.expert);
-  TORCH_CHECK(o.hidden() > 0 && o.ffn() > 0, "MoE: hidden (", o.hidden(), ") and ffn (", o.ffn(),
-              ") must be positive");
+  TORCH_CHECK(o.hidden() > 0 && o.ffn() > 0, "MoE: hidden (", o.hidden(), ") and ffn (", o.ffn(), ") must be positive");
   TORCH_CHECK(o.experts() > 0, "MoE: experts must be positive, got ", o.experts());
   TORCH_CHECK(o.experts() % ep == 0, "MoE: ", o.experts(), " experts do not divide over an expert group of ", ep,
               " ranks; choose an expert size that divides the number of experts");
@@ -189,27 +189,25 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor counts = at::bincount(r.expert, {}, experts);  // kept, per global expert
   at::Tensor recv_counts = counts.view({ep, el});
   if (ep > 1) recv_counts = comm::raw::all_to_all(counts, 0, 0, *groups_.expert).view({ep, el});
-  std::vector<int64_t> send_splits(ep), recv_splits(ep);
-  {
-    const at::Tensor send_sum = counts.view({ep, el}).sum(1), recv_sum = recv_counts.sum(1);
-    for (int64_t i = 0; i < ep; ++i) {
-      send_splits[i] = send_sum[i].item<int64_t>();
-      recv_splits[i] = recv_sum[i].item<int64_t>();
-    }
-  }
+  // One read to the host: the splits and the longest local expert.
+  const at::Tensor per_expert = recv_counts.sum(0);
+  const at::Tensor sizes =
+      at::cat({counts.view({ep, el}).sum(1), recv_counts.sum(1), per_expert.max().view({1})}).cpu();
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  const std::vector<int64_t> send_splits(size, size + ep), recv_splits(size + ep, size + 2 * ep);
+  const int64_t longest = size[2 * ep];
   at::Tensor rows = tokens_in.index_select(0, r.token);
   if (ep > 1) rows = comm::all_to_all_rows(rows, send_splits, recv_splits, groups_.expert);
 
   // Group the received rows (by source rank, then local expert) per local expert.
-  const at::Tensor local_id = at::repeat_interleave(
-      at::arange(el, counts.options()).repeat({ep}), recv_counts.reshape(-1));
+  const at::Tensor local_id =
+      at::repeat_interleave(at::arange(el, counts.options()).repeat({ep}), recv_counts.reshape(-1));
   const at::Tensor order = std::get<1>(at::sort(local_id, /*stable=*/true, 0, false));
-  const at::Tensor per_expert = recv_counts.sum(0);
-  const int64_t longest = per_expert.numel() ? per_expert.max().item<int64_t>() : 0;
   const at::Tensor sorted_id = local_id.index_select(0, order);
   const at::Tensor slot = sorted_id * longest + at::arange(order.numel(), order.options()) -
                           (per_expert.cumsum(0) - per_expert).index_select(0, sorted_id);
-  at::Tensor grouped = at::zeros({el * longest, hidden}, rows.options()).index_copy(0, slot, rows.index_select(0, order));
+  at::Tensor grouped =
+      at::zeros({el * longest, hidden}, rows.options()).index_copy(0, slot, rows.index_select(0, order));
   grouped = grouped.view({el, longest, hidden});
   const at::Tensor expert_out = c_proj->forward(at::gelu(c_fc->forward(grouped)));
   const at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
@@ -220,30 +218,35 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
                        .index_add(0, r.token, back * r.gate.to(back.scalar_type()).unsqueeze(1));
   out = out.view(x.sizes());
 
-  // Global statistics (Note [MoE auxiliary losses]): one all-reduce.
+  // Global statistics (Note [MoE auxiliary losses]): one all-reduce on the
+  // device, one read to the host.
   const at::Tensor lse = at::logsumexp(logits, -1);
   at::Tensor stats;
   {
     at::NoGradGuard no_grad;
-    const at::Tensor scalars = at::tensor({(lse * lse).sum().item<double>(), static_cast<double>(tokens),
-                                           static_cast<double>(r.dropped)},
-                                          at::kDouble);
-    stats = at::cat({r.routed.to(at::kDouble), probs.sum(0).to(at::kDouble), scalars});
+    stats = at::cat(
+        {r.routed.to(at::kDouble), probs.sum(0).to(at::kDouble), (lse * lse).sum().to(at::kDouble).view({1}),
+         at::tensor({static_cast<double>(tokens), static_cast<double>(r.dropped)}, at::kDouble).to(probs.device())});
     if (group_size(groups_.tokens) > 1) groups_.tokens->all_reduce(stats);
   }
-  const double total_tokens = stats[2 * experts + 1].item<double>();
-  const at::Tensor f = stats.narrow(0, 0, experts) / (static_cast<double>(o.top_k()) * total_tokens);
-  stats_.aux_loss = experts * (f * stats.narrow(0, experts, experts) / total_tokens).sum().item<double>();
-  stats_.z_loss = stats[2 * experts].item<double>() / total_tokens;
-  stats_.dropped = static_cast<int64_t>(stats[2 * experts + 2].item<double>());
-  const at::Tensor routed = stats.narrow(0, 0, experts).to(at::kLong);
-  stats_.tokens_per_expert.assign(routed.data_ptr<int64_t>(), routed.data_ptr<int64_t>() + experts);
+  const at::Tensor host = stats.cpu();
+  const double* v = host.data_ptr<double>();
+  const double total_tokens = v[2 * experts + 1];
+  double aux_value = 0;
+  for (int64_t i = 0; i < experts; ++i)
+    aux_value += v[i] / (static_cast<double>(o.top_k()) * total_tokens) * v[experts + i];
+  stats_.aux_loss = total_tokens > 0 ? experts * aux_value / total_tokens : 0.0;
+  stats_.z_loss = total_tokens > 0 ? v[2 * experts] / total_tokens : 0.0;
+  stats_.dropped = static_cast<int64_t>(v[2 * experts + 2]);
+  stats_.tokens_per_expert.resize(experts);
+  for (int64_t i = 0; i < experts; ++i) stats_.tokens_per_expert[i] = static_cast<int64_t>(v[i]);
 
   if (!at::GradMode::is_enabled() || !(o.aux_loss_coef() > 0 || o.z_loss_coef() > 0) || total_tokens == 0) return out;
-  const double average = static_cast<double>(groups_.gradient_average ? groups_.gradient_average
-                                                                      : group_size(groups_.tokens));
+  const double average =
+      static_cast<double>(groups_.gradient_average ? groups_.gradient_average : group_size(groups_.tokens));
   const double per_token = average / total_tokens;
-  at::Tensor aux = (probs.sum(0) * f.to(at::kFloat)).sum() * (experts * per_token * o.aux_loss_coef());
+  const at::Tensor f = (stats.narrow(0, 0, experts) / (static_cast<double>(o.top_k()) * total_tokens)).to(at::kFloat);
+  at::Tensor aux = (probs.sum(0) * f).sum() * (experts * per_token * o.aux_loss_coef());
   if (o.z_loss_coef() > 0) aux = aux + (lse * lse).sum() * (per_token * o.z_loss_coef());
   return AddAuxLoss::apply(out, aux, loss_scale_ ? loss_scale_->value : 1.0);
 }

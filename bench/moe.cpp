@@ -1,0 +1,225 @@
+// moe: the GPT with mixture-of-experts blocks trained by train::Trainer at
+// each expert size that divides the world (data = world, experts split over
+// the expert group), against the dense GPT with the same active parameters
+// per token at top-1 (the experts are the dense MLP's shape) on the same
+// ranks. One JSON line per model with:
+//   step_ms, tokens_per_s   one training step (forward, loss, backward,
+//                           gradient reduction, AdamW), the slowest rank,
+//                           median of rounds
+//   a2a_calls, a2a_bytes    all-to-alls over the expert group in one step,
+//                           per rank, in traced sizes (inputs: Note [Trace
+//                           byte counts]), against a2a_balanced_bytes: the
+//                           same routing with every rank receiving as many
+//                           rows as it sends, 4 row exchanges and one
+//                           exchange of 8·E-byte counts per MoE layer
+//                           (docs/expert-parallel.md)
+//   max_over_mean           the most assignments routed to one expert over
+//                           the mean, worst layer, in the timed steps' last
+//   params, active_params   parameters in all, and used per token
+// Then --train-steps of training at the largest expert size with and
+// without the load-balancing loss, one line every 5 steps: loss, max/mean
+// and the tokens per expert of the first MoE layer.
+//
+//   mpirun -np 4 moe [--eps 1,2,4] [--experts 8] [--top-k 1] [--moe-every 2]
+//       [--capacity 0 (dropless) | percent, e.g. 125] [--layers 4] [--hidden 128]
+//       [--heads 4] [--seq 64] [--batch 16] [--vocab 512] [--train-steps 40]
+//       [--steps 3] [--warmup 1] [--rounds 3]
+#include "bench_util.h"
+
+#include <tessera/comm/tracing_communicator.h>
+#include <tessera/models/gpt.h>
+#include <tessera/tessera.h>
+#include <torch/optim/adamw.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+namespace {
+
+using tessera::context::ParallelConfig;
+using tessera::context::ParallelMode;
+
+struct Args {
+  int64_t experts = 8, top_k = 1, moe_every = 2, capacity = 0;
+  int64_t layers = 4, hidden = 128, heads = 4, seq = 64, batch = 16, vocab = 512, train_steps = 40;
+  int64_t steps = 3, warmup = 1, rounds = 3;
+  std::string eps = "1,2,4";
+  bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
+};
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos,
+                "--eps takes positive integers separated by commas, got '", text, "'");
+    out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts) {
+  tessera::models::GPTConfig c;
+  c.vocab = a.vocab;
+  c.context = a.seq;
+  c.layers = a.layers;
+  c.heads = a.heads;
+  c.hidden = a.hidden;
+  c.experts = experts;
+  c.top_k = a.top_k;
+  c.moe_every = a.moe_every;
+  if (a.capacity > 0) c.capacity_factor = static_cast<double>(a.capacity) / 100.0;
+  return c;
+}
+
+// Token windows with structure a router can learn: each row walks the
+// vocabulary with its own stride from a random start.
+std::pair<at::Tensor, at::Tensor> batch(const Args& a, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor start = at::randint(a.vocab, {a.batch, 1}, gen, at::kLong);
+  const at::Tensor stride = at::randint(1, 8, {a.batch, 1}, gen, at::kLong);
+  const at::Tensor walk = (start + stride * at::arange(a.seq + 1, at::kLong)) % a.vocab;
+  return {walk.narrow(1, 0, a.seq), walk.narrow(1, 1, a.seq)};
+}
+
+struct Run {
+  std::shared_ptr<tessera::models::GPTImpl> gpt;
+  std::unique_ptr<tessera::train::Trainer> trainer;
+  tessera::context::ParallelContextPtr ctx;
+};
+
+Run make_run(const tessera::comm::CommunicatorPtr& world, const Args& a, int64_t ep, int64_t experts, double aux_coef) {
+  Run r;
+  r.ctx = tessera::context::ParallelContext::create(world, ParallelConfig().expert(static_cast<int>(ep)));
+  torch::manual_seed(0);
+  auto config = gpt_config(a, experts);
+  config.aux_loss_coef = aux_coef;
+  r.gpt = std::make_shared<tessera::models::GPTImpl>(config, tessera::nn::make_layer_factory(r.ctx));
+  auto adamw = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : named) params.push_back(p.second);
+    return std::shared_ptr<torch::optim::Optimizer>(
+        std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(3e-3)));
+  };
+  r.trainer = std::make_unique<tessera::train::Trainer>(r.ctx, tessera::train::gpt_train_model(r.gpt), adamw);
+  return r;
+}
+
+// The most assignments to one expert over the mean, worst MoE layer.
+double max_over_mean(const tessera::models::GPTImpl& gpt) {
+  double worst = 0;
+  for (const auto& s : gpt.moe_stats()) {
+    double total = 0, most = 0;
+    for (int64_t t : s.tokens_per_expert) {
+      total += static_cast<double>(t);
+      most = std::max(most, static_cast<double>(t));
+    }
+    if (total > 0) worst = std::max(worst, most * static_cast<double>(s.tokens_per_expert.size()) / total);
+  }
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return bench::run_main(&argc, &argv, "moe", [&](int rank) {
+    Args a;
+    bench::parse_flags(argc, argv,
+                       {{"--experts", &a.experts},
+                        {"--top-k", &a.top_k},
+                        {"--moe-every", &a.moe_every},
+                        {"--capacity", &a.capacity},
+                        {"--layers", &a.layers},
+                        {"--hidden", &a.hidden},
+                        {"--heads", &a.heads},
+                        {"--seq", &a.seq},
+                        {"--batch", &a.batch},
+                        {"--vocab", &a.vocab},
+                        {"--train-steps", &a.train_steps},
+                        {"--steps", &a.steps},
+                        {"--warmup", &a.warmup},
+                        {"--rounds", &a.rounds}},
+                       {{"--eps", &a.eps}}, "the comment at the top of bench/moe.cpp");
+    auto trace = std::make_shared<tessera::comm::CommTrace>();
+    tessera::comm::WorldOptions world_options;
+    world_options.trace = trace;
+    auto world = tessera::comm::make_world_communicator(world_options);
+    const int n = world->size();
+    TORCH_CHECK(a.batch % n == 0, "--batch ", a.batch, " must divide over the ", n, " data ranks");
+    std::vector<int64_t> eps;
+    for (int64_t ep : parse_list(a.eps))
+      if (n % ep == 0 && a.experts % ep == 0) eps.push_back(ep);
+    TORCH_CHECK(!eps.empty(), "no expert size of --eps ", a.eps, " divides both the world (", n, ") and --experts ",
+                a.experts);
+    const int64_t local = a.batch / n, h = a.hidden, moe_layers = a.layers / a.moe_every;
+    const double mlp_params = static_cast<double>(8 * h * h + 5 * h);
+    auto local_rows = [&](const at::Tensor& t) { return t.narrow(0, world->rank() * local, local); };
+
+    // ep 0 stands for the dense model.
+    std::vector<int64_t> runs = {0};
+    runs.insert(runs.end(), eps.begin(), eps.end());
+    for (int64_t ep : runs) {
+      const bool dense = ep == 0;
+      Run r = make_run(world, a, dense ? 1 : ep, dense ? 0 : a.experts, 1e-2);
+      uint64_t step = 0;
+      auto train_step = [&] {
+        auto [x, y] = batch(a, 1000 + step++);
+        r.trainer->train_step(local_rows(x), local_rows(y));
+      };
+      auto [x0, y0] = batch(a, 7);
+      const double initial = r.trainer->evaluate(local_rows(x0), local_rows(y0));
+      trace->reset();
+      train_step();
+      const std::string expert_group = r.ctx->comm(ParallelMode::kExpert)->name();
+      const auto a2a = trace->get(expert_group, tessera::comm::OpType::kAllToAll);
+      const double step_ms = bench::time_ms(train_step, a.timing());
+      // Balanced: per MoE layer the counts, then 4 exchanges of the rows this
+      // rank sends (T·k assignments less the dropped, here none or few).
+      const double rows = static_cast<double>(local * a.seq * a.top_k);
+      const double balanced =
+          dense || ep == 1 ? 0.0 : static_cast<double>(moe_layers) * (8.0 * a.experts + 4.0 * rows * h * 4);
+      double params = 0;
+      for (const auto& [name, p] : r.gpt->placements()) {
+        double numel = 1;
+        for (int64_t d : p.full_shape) numel *= static_cast<double>(d);
+        params += numel;
+      }
+      const double active =
+          dense ? params
+                : params - static_cast<double>(moe_layers) * static_cast<double>(a.experts - a.top_k) * mlp_params;
+      if (rank == 0) {
+        fmt::print(
+            "{{\"bench\": \"moe\", \"model\": \"{}\", \"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, "
+            "\"ep\": {}, \"experts\": {}, \"top_k\": {}, \"moe_every\": {}, \"capacity\": {}, \"step_ms\": {:.2f}, "
+            "\"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, \"a2a_balanced_bytes\": {:.0f}, "
+            "\"max_over_mean\": {:.3f}, \"params\": {:.0f}, \"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
+            dense ? "dense" : "moe", a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, dense ? 0 : ep,
+            dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, step_ms, a.batch * a.seq / (step_ms / 1000.0),
+            a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt), params, active, initial);
+        std::fflush(stdout);
+      }
+    }
+
+    // Balance over training, with and without the load-balancing loss.
+    for (double coef : {1e-2, 0.0}) {
+      Run r = make_run(world, a, eps.back(), a.experts, coef);
+      for (int64_t step = 0; step < a.train_steps; ++step) {
+        auto [x, y] = batch(a, 5000 + static_cast<uint64_t>(step));
+        const auto st = r.trainer->train_step(local_rows(x), local_rows(y));
+        if (rank == 0 && (step % 5 == 0 || step + 1 == a.train_steps)) {
+          const auto stats = r.gpt->moe_stats();
+          fmt::print(
+              "{{\"bench\": \"moe_balance\", \"ep\": {}, \"aux_loss_coef\": {}, \"step\": {}, \"loss\": {:.4f}, "
+              "\"aux_loss\": {:.4f}, \"max_over_mean\": {:.3f}, \"tokens_per_expert\": [{}]}}\n",
+              eps.back(), coef, step, st.loss, stats.front().aux_loss, max_over_mean(*r.gpt),
+              fmt::join(stats.front().tokens_per_expert, ", "));
+          std::fflush(stdout);
+        }
+      }
+    }
+  });
+}
