@@ -32,7 +32,8 @@ class MetricsLog {
 
 // Model FLOPs of one training token of a GPT at sequence length `seq`:
 // 6·N (forward and backward through every weight matrix, N the parameters
-// outside the position embedding) + 12·L·h·seq (attention scores and
+// outside the position embedding that a token uses: in a MoE block its
+// router and top_k experts) + 12·L·h·seq (attention scores and
 // values), the formula of Kaplan et al. / PaLM's MFU. Recomputation
 // (activation checkpointing) is not counted: MFU counts model FLOPs only.
 double gpt_flops_per_token(const models::GPTConfig& config, int64_t seq);
