@@ -99,6 +99,21 @@ inline tessera::context::ParallelConfig parse_flags(int argc, char** argv,
   return tessera::context::config_from_args(argc, argv, grid);
 }
 
+// "1,2,4" -> {1, 2, 4}: positive integers separated by commas, the value of `flag`.
+inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag) {
+  std::vector<int64_t> out;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, end - begin);
+    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos, flag,
+                " takes positive integers separated by commas, got '", text, "'");
+    out.push_back(std::stoll(item));
+    begin = end + 1;
+  }
+  return out;
+}
+
 // Whether argv has `flag`, as "--flag value" or "--flag=value".
 inline bool flag_given(int argc, char** argv, const std::string& flag) {
   for (int i = 1; i < argc; ++i) {

@@ -35,7 +35,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <sstream>
 #include <vector>
 
 namespace {
@@ -50,17 +49,6 @@ struct Args {
   std::string eps = "1,2,4";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
-
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos,
-                "--eps takes positive integers separated by commas, got '", text, "'");
-    out.push_back(std::stoll(item));
-  }
-  return out;
-}
 
 tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts) {
   tessera::models::GPTConfig c;
@@ -151,7 +139,7 @@ int main(int argc, char** argv) {
     const int n = world->size();
     TORCH_CHECK(a.batch % n == 0, "--batch ", a.batch, " must divide over the ", n, " data ranks");
     std::vector<int64_t> eps;
-    for (int64_t ep : parse_list(a.eps))
+    for (int64_t ep : bench::parse_int_list(a.eps, "--eps"))
       if (n % ep == 0 && a.experts % ep == 0) eps.push_back(ep);
     TORCH_CHECK(!eps.empty(), "no expert size of --eps ", a.eps, " divides both the world (", n, ") and --experts ",
                 a.experts);

@@ -51,17 +51,6 @@ struct Mode {
   ParallelConfig config;
 };
 
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos,
-                "--seqs takes positive integers separated by commas, got '", text, "'");
-    out.push_back(std::stoll(item));
-  }
-  return out;
-}
-
 // Elements one step moves per rank (docs/sequence-parallel.md): the
 // attention's traffic per layer with E = b·h_local·n·d, the loss's
 // all-reduce, the vocabulary-parallel cross entropy's 3·b·n (on a tensor
@@ -108,7 +97,7 @@ int main(int argc, char** argv) {
                        {{"--seqs", &a.seqs}, {"--modes", &a.modes}}, "the comment at the top of bench/sequence.cpp");
     for (const char* flag : {"--dp", "--pp", "--tp", "--tp-mode", "--sp", "--sp-mode", "--sp-split", "--ep"})
       TORCH_CHECK(!bench::flag_given(argc, argv, flag), "sequence chooses the grid of every mode itself; drop ", flag);
-    const std::vector<int64_t> seqs = parse_list(a.seqs);
+    const std::vector<int64_t> seqs = bench::parse_int_list(a.seqs, "--seqs");
     auto trace = std::make_shared<tessera::comm::CommTrace>();
     auto world =
         std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
