@@ -301,6 +301,8 @@ TEST(MoERefusals, EveryRankGetsTheMessage) {
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(0.0)),
                         "capacity factor 0 must be positive", "leave it unset for dropless");
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(-1.5)), "capacity factor -1.5");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).drop_policy(nn::MoEDropPolicy::kProbability)),
+                        "drop policy 'probability'", "no capacity factor is set");
 }
 
 }  // namespace

@@ -113,6 +113,9 @@ MoEImpl::MoEImpl(const MoEOptions& options_, MoEGroups groups, std::shared_ptr<M
               o.experts(), " experts; lower top-k or add experts");
   TORCH_CHECK(!o.capacity_factor() || *o.capacity_factor() > 0, "MoE: capacity factor ",
               o.capacity_factor().value_or(0), " must be positive; leave it unset for dropless routing");
+  TORCH_CHECK(o.capacity_factor() || o.drop_policy() == MoEDropPolicy::kPosition,
+              "MoE: drop policy 'probability' chooses what an expert over capacity keeps, but no capacity factor is "
+              "set (dropless routing drops nothing); set a capacity factor or leave the policy at 'position'");
   TORCH_CHECK(groups_.gradient_average >= 0, "MoE: gradient_average must be >= 0, got ", groups_.gradient_average);
   local_experts_ = o.experts() / ep;
   seed_ = o.init_seed() ? *o.init_seed() : draw_seed();
