@@ -303,6 +303,8 @@ TEST(MoERefusals, EveryRankGetsTheMessage) {
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).capacity_factor(-1.5)), "capacity factor -1.5");
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).drop_policy(nn::MoEDropPolicy::kProbability)),
                         "drop policy 'probability'", "no capacity factor is set");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).aux_loss_coef(-0.1)),
+                        "auxiliary loss coefficients (-0.1", "must be >= 0");
 }
 
 }  // namespace

@@ -113,6 +113,8 @@ MoEImpl::MoEImpl(const MoEOptions& options_, MoEGroups groups, std::shared_ptr<M
               o.experts(), " experts; lower top-k or add experts");
   TORCH_CHECK(!o.capacity_factor() || *o.capacity_factor() > 0, "MoE: capacity factor ",
               o.capacity_factor().value_or(0), " must be positive; leave it unset for dropless routing");
+  TORCH_CHECK(o.aux_loss_coef() >= 0 && o.z_loss_coef() >= 0, "MoE: the auxiliary loss coefficients (",
+              o.aux_loss_coef(), ", z ", o.z_loss_coef(), ") must be >= 0; 0 turns a loss off");
   TORCH_CHECK(o.capacity_factor() || o.drop_policy() == MoEDropPolicy::kPosition,
               "MoE: drop policy 'probability' chooses what an expert over capacity keeps, but no capacity factor is "
               "set (dropless routing drops nothing); set a capacity factor or leave the policy at 'position'");
@@ -224,11 +226,12 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   // Global statistics (Note [MoE auxiliary losses]): one all-reduce on the
   // device, one read to the host.
   const at::Tensor lse = at::logsumexp(logits, -1);
+  const at::Tensor lse_squared = lse * lse;
   at::Tensor stats;
   {
     at::NoGradGuard no_grad;
     stats = at::cat(
-        {r.routed.to(at::kDouble), probs.sum(0).to(at::kDouble), (lse * lse).sum().to(at::kDouble).view({1}),
+        {r.routed.to(at::kDouble), probs.sum(0).to(at::kDouble), lse_squared.sum().to(at::kDouble).view({1}),
          at::tensor({static_cast<double>(tokens), static_cast<double>(r.dropped)}, at::kDouble).to(probs.device())});
     if (group_size(groups_.tokens) > 1) groups_.tokens->all_reduce(stats);
   }
@@ -250,7 +253,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const double per_token = average / total_tokens;
   const at::Tensor f = (stats.narrow(0, 0, experts) / (static_cast<double>(o.top_k()) * total_tokens)).to(at::kFloat);
   at::Tensor aux = (probs.sum(0) * f).sum() * (experts * per_token * o.aux_loss_coef());
-  if (o.z_loss_coef() > 0) aux = aux + (lse * lse).sum() * (per_token * o.z_loss_coef());
+  if (o.z_loss_coef() > 0) aux = aux + lse_squared.sum() * (per_token * o.z_loss_coef());
   return AddAuxLoss::apply(out, aux, loss_scale_ ? loss_scale_->value : 1.0);
 }
 
