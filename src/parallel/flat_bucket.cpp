@@ -14,7 +14,7 @@ namespace parallel {
 namespace {
 
 using detail::release_storage;
-using detail::restore_storage;
+using detail::adopt_storage;
 
 int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
@@ -78,10 +78,14 @@ int64_t FlatBucket::element_size() const { return static_cast<int64_t>(full_para
 
 void FlatBucket::start_gather() {
   if (!materialize_ || gathered_ || gathering_) return;
-  restore_storage(full_param_, full_param_bytes_);
+  // Gathered into a staging buffer that the parameters take over in
+  // wait_gather: until then they have no memory, so code that reads a
+  // prefetched unit early fails (and is named: Note [Units and gathering])
+  // instead of reading a gather in flight.
+  staging_ = at::empty({numel_}, full_param_.options());
   counter_->add(full_param_bytes_);
   at::Tensor source = param_shard_.device() == device_ ? param_shard_ : param_shard_.to(device_, /*non_blocking=*/true);
-  gather_task_ = layout_.gather(full_param_, numel_, layout_.degrees().params, 1, source);
+  gather_task_ = layout_.gather(staging_, numel_, layout_.degrees().params, 1, source);
   gather_task_.start();
   gathering_ = true;
 }
@@ -91,6 +95,7 @@ void FlatBucket::wait_gather() {
   start_gather();
   gather_task_.wait();
   gather_task_ = CommTask();
+  adopt_storage(full_param_, staging_);
   gathering_ = false;
   gathered_ = true;
 }

@@ -22,6 +22,18 @@ inline void restore_storage(const at::Tensor& t, int64_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
+// Moves `from`'s memory into t's released storage (from is left empty): a
+// buffer filled elsewhere becomes t's only when it is complete.
+inline void adopt_storage(const at::Tensor& t, at::Tensor& from) {
+  c10::StorageImpl* src = from.storage().unsafeGetStorageImpl();
+  c10::StorageImpl* dst = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = src->nbytes();
+  dst->set_data_ptr_noswap(src->set_data_ptr(at::DataPtr(nullptr, from.device())));
+  dst->set_nbytes(nbytes);
+  src->set_nbytes(0);
+  from = at::Tensor();
+}
+
 }  // namespace detail
 }  // namespace parallel
 }  // namespace tessera

@@ -107,6 +107,7 @@ class FlatBucket {
   std::shared_ptr<MemoryCounter> counter_;
   std::vector<comm::CommunicatorPtr> partial_groups_;
   CommTask gather_task_;
+  at::Tensor staging_;  // the gather in flight (start_gather)
   bool gathered_ = true;
   bool gathering_ = false;
 };
