@@ -2,10 +2,14 @@
 
 #include "tessera/core/error.h"
 #include "tessera/parallel/flat_bucket.h"
+#include "tessera/parallel/unit_host.h"
+
+#include "shard_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -18,145 +22,6 @@
 
 namespace tessera {
 namespace parallel {
-
-// Everything the autograd hooks reach; they hold it weakly so that a hook
-// outliving its ShardedModule does nothing.
-struct ShardState {
-  // [0]: the wrapper's group; then one per replica group (Note [Replica groups]).
-  std::vector<std::unique_ptr<ShardLayout>> layouts;
-  std::shared_ptr<MemoryCounter> counter = std::make_shared<MemoryCounter>();
-  std::vector<std::unique_ptr<FlatBucket>> buckets;  // in reduction order
-  std::vector<std::string> unit_names;               // the root unit, if any, is last and named ""
-  std::vector<std::vector<size_t>> unit_buckets;     // materialized buckets per unit
-  bool has_root_unit = false;
-  bool prefetch = true;
-  bool overlap = true;
-  double scale = 1.0;
-  bool sync = true;
-
-  // Per backward.
-  std::vector<int> expected;  // parameters per bucket
-  std::vector<int> arrived;
-  std::vector<bool> ready;
-  std::vector<bool> finalized;
-  std::vector<CommTask> tasks;
-  size_t launched = 0;  // buckets 0..launched-1 have their reduction started, in order
-  bool callback_queued = false;
-  bool reductions_pending = false;
-  // Grad accumulators must be kept alive for their hooks to fire; a
-  // shared_ptr up to LibTorch 2.11, an intrusive_ptr after (docs/latest-libtorch.md, difference 7).
-  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))> keep_alive;
-
-  void gather_unit(size_t unit, bool wait) {
-    for (size_t b : unit_buckets[unit]) buckets[b]->start_gather();
-    if (wait)
-      for (size_t b : unit_buckets[unit]) buckets[b]->wait_gather();
-  }
-  void free_unit(size_t unit) {
-    for (size_t b : unit_buckets[unit]) buckets[b]->free_params();
-  }
-  void ensure_root() {
-    if (has_root_unit) gather_unit(unit_buckets.size() - 1, true);
-  }
-
-  void queue_end_callback(const std::shared_ptr<ShardState>& self) {
-    if (callback_queued) return;
-    callback_queued = true;
-    std::weak_ptr<ShardState> weak = self;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto s = weak.lock()) s->end_backward();
-    });
-  }
-
-  // Reductions start in bucket order on every rank (as DDP does), and a
-  // later stage of a hierarchical reduction starts only after the bucket
-  // before it started that stage, so every communicator sees the same order.
-  void launch_ready(bool all) {
-    while (launched < buckets.size() && (all || ready[launched])) {
-      tasks[launched] = buckets[launched]->reduce_grads();
-      tasks[launched].start();
-      ++launched;
-    }
-    poll();
-  }
-  void poll() {
-    size_t limit = static_cast<size_t>(-1);
-    for (size_t b = 0; b < launched; ++b) {
-      if (finalized[b]) {
-        limit = static_cast<size_t>(-1);  // so every earlier bucket issued every stage
-        continue;
-      }
-      if (tasks[b].poll(limit)) {
-        finalize(b);
-        limit = static_cast<size_t>(-1);
-      } else {
-        limit = tasks[b].issued();
-      }
-    }
-  }
-
-  // A bucket's reduction is complete: average, and free its full gradients
-  // now rather than at the end of backward (this bounds ZeRO-2's peak).
-  void finalize(size_t b) {
-    tasks[b].wait();
-    tasks[b] = CommTask();
-    if (scale != 1.0) buckets[b]->scale_grads(scale);
-    buckets[b]->release_full_grads();
-    finalized[b] = true;
-  }
-
-  void on_grad_ready(size_t bucket, size_t slot, const std::shared_ptr<ShardState>& self) {
-    queue_end_callback(self);
-    buckets[bucket]->adopt_grad(slot);
-    if (!sync) return;
-    reductions_pending = true;
-    if (++arrived[bucket] == expected[bucket]) {
-      ready[bucket] = true;
-      buckets[bucket]->free_params();  // its backward is done (Note [Units and gathering])
-      if (overlap) launch_ready(false);
-    } else if (launched > 0) {
-      poll();
-    }
-  }
-
-  void pre_backward(const std::vector<size_t>& units, size_t prefetch_unit, const std::shared_ptr<ShardState>& self) {
-    queue_end_callback(self);
-    ensure_root();
-    for (size_t u : units) gather_unit(u, false);
-    if (prefetch && prefetch_unit < unit_buckets.size()) gather_unit(prefetch_unit, false);
-    for (size_t u : units) gather_unit(u, true);
-  }
-
-  void end_backward() {
-    callback_queued = false;
-    if (!sync || !reductions_pending) return;
-    launch_ready(true);
-    finish();
-    for (auto& b : buckets) b->free_params();
-  }
-
-  // Note [Partial sums after backward]
-  // Gradients that are partial over tensor-parallel groups (2D's col, 2.5D's
-  // depth, the 1D sequence-parallel variant's tensor group) are summed over
-  // those groups here, after backward, in bucket order, blocking. Issued as
-  // asynchronous stages during backward they would share a communicator
-  // with the layers' own collectives (SUMMA's broadcasts on col), and ranks
-  // could issue the two in different orders: MPI and NCCL both require one
-  // order per communicator, and the 2D trainer test hung on it. The data
-  // reductions stay asynchronous: no layer communicates over the data group.
-  void finish() {
-    if (!reductions_pending) return;
-    launch_ready(true);
-    for (size_t b = 0; b < buckets.size(); ++b)
-      if (!finalized[b]) finalize(b);
-    for (auto& bucket : buckets) bucket->reduce_partial();
-    std::fill(arrived.begin(), arrived.end(), 0);
-    std::fill(ready.begin(), ready.end(), false);
-    std::fill(finalized.begin(), finalized.end(), false);
-    launched = 0;
-    reductions_pending = false;
-  }
-};
 
 namespace {
 
@@ -209,6 +74,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
     : module_(std::move(module)), ctx_(std::move(ctx)), options_(std::move(options)) {
   TORCH_CHECK(module_ != nullptr, "ShardedModule: the module is null");
   TORCH_CHECK(ctx_ != nullptr, "ShardedModule: the ParallelContext is null");
+  host_ = dynamic_cast<UnitHost*>(module_.get());
+  TORCH_CHECK(host_ == nullptr || host_->sharded_ == nullptr, "ShardedModule: module ", module_->name(),
+              " is already wrapped by another ShardedModule; a module is wrapped once (destroy the other first)");
   // Note [Sequence ranks in the data reduction]
   // Sequence ranks hold parts of the same sequences: a parameter's gradient
   // is partial over the sequence group (its placement says so). By default
@@ -415,6 +283,15 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   }
 
   const size_t n = s.buckets.size();
+  // With named units, the root unit stays gathered (Note [Units and gathering]).
+  s.pinned.assign(n, false);
+  if (s.has_root_unit && s.unit_names.size() > 1)
+    for (size_t b : s.unit_buckets.back()) s.pinned[b] = true;
+  s.gather_pinned();
+  if (options_.broadcast_buffers() && group_->size() > 1) {
+    s.buffers = module_->buffers();
+    if (!s.buffers.empty()) s.buffer_group = group_;
+  }
   s.expected.assign(n, 0);
   s.arrived.assign(n, 0);
   s.ready.assign(n, false);
@@ -431,13 +308,23 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
       ++s.expected[b];
     }
   }
+  if (host_ != nullptr) host_->sharded_ = this;  // last: a constructor that threw leaves it unwrapped
 }
 
-ShardedModule::~ShardedModule() = default;
+ShardedModule::~ShardedModule() {
+  if (host_ != nullptr && host_->sharded_ == this) host_->sharded_ = nullptr;
+}
 
 const ShardDegrees& ShardedModule::degrees() const { return state_->layouts[0]->degrees(); }
 const ShardLayout& ShardedModule::layout() const { return *state_->layouts[0]; }
 size_t ShardedModule::num_units() const { return state_->unit_names.size() - (state_->has_root_unit ? 1 : 0); }
+
+std::vector<std::string> ShardedModule::units() const {
+  const auto& names = state_->unit_names;
+  std::vector<std::string> out(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(num_units()));
+  if (out.size() == 1 && out[0].empty()) out.clear();  // no units: the whole module
+  return out;
+}
 size_t ShardedModule::num_buckets() const { return state_->buckets.size(); }
 const FlatBucket& ShardedModule::bucket(size_t i) const { return *state_->buckets.at(i); }
 FlatBucket& ShardedModule::bucket(size_t i) { return *state_->buckets.at(i); }
@@ -456,7 +343,19 @@ at::Tensor ShardedModule::run_unit(size_t unit, const std::function<at::Tensor()
   if (unit < s.unit_buckets.size()) s.gather_unit(unit, false);
   if (s.prefetch && unit + 1 < num_units()) s.gather_unit(unit + 1, false);
   if (unit < s.unit_buckets.size()) s.gather_unit(unit, true);
-  at::Tensor out = fn();
+  at::Tensor out;
+  try {
+    out = fn();
+  } catch (const c10::Error& e) {
+    // LibTorch's words for a tensor whose storage has no memory: reading it,
+    // or taking a view of it.
+    const std::string& m = e.msg();
+    if (m.find("data is not allocated") == std::string::npos &&
+        m.find("out of bounds for storage of size 0") == std::string::npos)
+      throw;
+    explain_missing_params(unit, fn);
+    throw;
+  }
   if (s.sync && unit < num_units()) s.free_unit(unit);
   if (!out.requires_grad() || !at::GradMode::is_enabled()) return out;
   auto capsule = c10::make_intrusive<StateCapsule>();
@@ -464,6 +363,69 @@ at::Tensor ShardedModule::run_unit(size_t unit, const std::function<at::Tensor()
   capsule->units = {unit};
   capsule->prefetch_unit = unit == 0 ? static_cast<size_t>(-1) : unit - 1;
   return PreBackward::apply(out, capsule);
+}
+
+at::Tensor ShardedModule::run_unit(const std::string& name, const std::function<at::Tensor()>& fn) {
+  const auto names = units();
+  auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) {
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "'" : ", '") + n + "'";
+    TORCH_CHECK(false, "ShardedModule::run_unit: '", name, "' is not a unit of this module; its units are ",
+                list.empty() ? std::string("none (ShardedModuleOptions::units is empty)") : list,
+                "; name the submodule in ShardedModuleOptions().units({...})");
+  }
+  return run_unit(static_cast<size_t>(it - names.begin()), fn);
+}
+
+// fn (unit `unit`) used a parameter whose storage is released: gathers every
+// unit, runs fn again and asks autograd which of the released parameters it
+// used, to name them. Buffers fn updates (running statistics) are updated a
+// second time, which does not matter: the caller gets an error.
+void ShardedModule::explain_missing_params(size_t unit, const std::function<at::Tensor()>& fn) {
+  ShardState& s = *state_;
+  std::vector<at::Tensor> candidates;
+  std::vector<std::string> names, owners;
+  for (size_t u = 0; u < s.unit_buckets.size(); ++u) {
+    for (size_t b : s.unit_buckets[u]) {
+      if (s.buckets[b]->gathered()) continue;
+      for (const auto& slot : s.buckets[b]->slots()) {
+        candidates.push_back(slot.param);
+        names.push_back(slot.name);
+        owners.push_back(s.unit_names[u]);
+      }
+    }
+  }
+  if (candidates.empty()) return;
+  std::vector<size_t> used;
+  try {
+    FullParams all(*this);
+    at::AutoGradMode grad(true);
+    at::Tensor out = fn();
+    if (out.defined() && out.requires_grad()) {
+      auto grads = torch::autograd::grad({out.sum()}, candidates, {}, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t i = 0; i < grads.size(); ++i)
+        if (grads[i].defined()) used.push_back(i);
+    }
+  } catch (const c10::Error&) {
+    used.clear();
+  }
+  const std::string here = unit < num_units() ? "run_unit('" + s.unit_names[unit] + "')" : "run_unit(" +
+                                                    std::to_string(unit) + ")";
+  std::string what;
+  if (!used.empty()) {
+    for (size_t i : used)
+      what += (what.empty() ? "" : ", ") + ("'" + names[i] + "' (unit '" + owners[i] + "')");
+  } else {  // autograd could not tell: name every released parameter
+    for (size_t i = 0; i < names.size(); ++i)
+      what += (what.empty() ? "one of " : ", ") + ("'" + names[i] + "' (unit '" + owners[i] + "')");
+  }
+  TORCH_CHECK(false, "ShardedModule: parameter ", what, " was used inside ", here, ", outside its own unit: under ",
+              "sharding spec ", options_.spec().to_string(),
+              " a unit's parameters exist only while that unit runs (Note [Units and gathering] in "
+              "sharded_module.h). Use it inside its own unit, or leave its submodule out of "
+              "ShardedModuleOptions::units (parameters outside every unit stay gathered)");
 }
 
 at::Tensor ShardedModule::run(const std::function<at::Tensor()>& fn) {
@@ -515,6 +477,27 @@ void ShardedModule::zero_grad() {
 
 void ShardedModule::sync_params_after_step() {
   for (auto& b : state_->buckets) b->regather_params();
+  state_->gather_pinned();
+}
+
+double ShardedModule::global_mean(const at::Tensor& value) const {
+  TORCH_CHECK(value.defined() && value.numel() == 1, "ShardedModule::global_mean: needs a one-element tensor, got ",
+              value.defined() ? value.sizes() : at::IntArrayRef{});
+  at::Tensor total = at::tensor({value.detach().to(at::kDouble).item<double>()}, at::kDouble);
+  group_->all_reduce(total);
+  return total.item<double>() / group_->size();
+}
+
+void ShardedModule::broadcast_buffers() {
+  ShardState& s = *state_;
+  if (group_->size() == 1) return;
+  auto kept = s.buffer_group;
+  auto kept_list = s.buffers;
+  s.buffer_group = group_;
+  s.buffers = module_->buffers();
+  s.sync_buffers();
+  s.buffer_group = kept;
+  s.buffers = kept_list;
 }
 
 ShardedModule::FullParams::FullParams(ShardedModule& owner) : owner_(owner) {
@@ -523,7 +506,7 @@ ShardedModule::FullParams::FullParams(ShardedModule& owner) : owner_(owner) {
 }
 
 ShardedModule::FullParams::~FullParams() {
-  for (auto& b : owner_.state_->buckets) b->free_params();
+  for (size_t b = 0; b < owner_.state_->buckets.size(); ++b) owner_.state_->release(b);
 }
 
 int64_t ShardedModule::peak_bytes() const { return state_->counter->peak; }

@@ -18,8 +18,11 @@
 // (sharded, or offloaded to the CPU) are grouped in units: by default the
 // children of a torch::nn::Sequential, otherwise the whole module; or named
 // submodules (options.units). forward() of a Sequential runs unit by unit;
-// for other modules the user's forward calls run_unit(i, fn) around the code
-// that uses unit i, or run(fn) around everything. A unit is gathered before
+// for other modules the user's forward calls run_unit("name", fn) around the
+// code that uses that unit (a module deriving from UnitHost calls unit("name",
+// fn), which finds its wrapper), or run(fn) around everything. Parameters
+// outside every named unit form the root unit, which stays gathered (as
+// FSDP's root does), so the code between units may use them. A unit is gathered before
 // fn, the next unit is prefetched (all-gather in flight while fn computes),
 // and the unit's full parameters are freed when fn returns. An autograd node
 // on fn's output gathers the unit again before its backward and prefetches
@@ -49,6 +52,7 @@ namespace parallel {
 
 class FlatBucket;
 struct ShardState;
+class UnitHost;
 
 struct ShardedModuleOptions {
   TORCH_ARG(ShardingSpec, spec) = ShardingSpec::ddp();
@@ -69,6 +73,11 @@ struct ShardedModuleOptions {
   TORCH_ARG(bool, average) = true;
   // Broadcast parameters and buffers from data rank 0 at construction.
   TORCH_ARG(bool, sync_module_states) = true;
+  // Broadcast the module's buffers (BatchNorm's running statistics) from
+  // rank 0 of the group after every synchronized gradient reduction, so each
+  // forward starts from rank 0's buffers as under PyTorch DDP's default, and
+  // every rank holds rank 0's after training (Note [Buffers]).
+  TORCH_ARG(bool, broadcast_buffers) = true;
   // The group to shard over; default: the context's data group, or its
   // data x sequence group when the sequence size is > 1 (Note [Sequence
   // ranks in the data reduction] in sharded_module.cpp).
@@ -125,12 +134,23 @@ class ShardedModule {
   const comm::CommunicatorPtr& group() const { return group_; }
 
   // Runs fn (which uses unit `unit`'s parameters) as Note [Units and gathering] says.
+  // A parameter of another unit used inside fn is named in the error.
   at::Tensor run_unit(size_t unit, const std::function<at::Tensor()>& fn);
+  // The same by name: one of units().
+  at::Tensor run_unit(const std::string& name, const std::function<at::Tensor()>& fn);
   // Runs fn with every unit gathered; frees them after, gathers for backward.
   at::Tensor run(const std::function<at::Tensor()>& fn);
   // The module must be a Sequential: its children run one unit each.
   at::Tensor forward(const at::Tensor& input);
   size_t num_units() const;
+  // Names of the units, in order (the root unit is not one).
+  std::vector<std::string> units() const;
+
+  // The mean of a per-rank value (the loss) over the data replicas: for
+  // logging. Collective over the group; returns the same on every rank.
+  double global_mean(const at::Tensor& value) const;
+  // Broadcasts the module's buffers from rank 0 of the group now.
+  void broadcast_buffers();
 
   // While false, backward accumulates gradients locally (no communication);
   // the backward after setting it true reduces everything accumulated.
@@ -178,11 +198,13 @@ class ShardedModule {
 
  private:
   friend struct ShardState;
+  void explain_missing_params(size_t unit, const std::function<at::Tensor()>& fn);
   std::shared_ptr<torch::nn::Module> module_;
   context::ParallelContextPtr ctx_;
   ShardedModuleOptions options_;
   comm::CommunicatorPtr group_;
   std::shared_ptr<ShardState> state_;
+  UnitHost* host_ = nullptr;  // the module, when it is a UnitHost
 };
 
 using ShardedModulePtr = std::shared_ptr<ShardedModule>;
