@@ -105,12 +105,30 @@ class PieceNorms : public WholeNorms {
   WholeNormsPtr outer_;
 };
 
+// Note [A torch::optim::Optimizer]: one group per inner group, no parameters.
+std::vector<torch::optim::OptimizerParamGroup> mirror_groups(const torch::optim::Optimizer* inner) {
+  TORCH_CHECK(inner != nullptr, "ShardedOptimizer: the module and the optimizer must not be null");
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (const auto& g : inner->param_groups())
+    groups.emplace_back(std::vector<at::Tensor>{}, g.options().clone());
+  return groups;
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> inner_defaults(const torch::optim::Optimizer* inner) {
+  TORCH_CHECK(inner != nullptr, "ShardedOptimizer: the module and the optimizer must not be null");
+  return inner->defaults().clone();
+}
+
 }  // namespace
 
 ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torch::optim::Optimizer> optimizer,
                                    ShardedOptimizerOptions options)
-    : module_(std::move(module)), optimizer_(std::move(optimizer)), options_(options) {
+    : torch::optim::Optimizer(mirror_groups(optimizer.get()), inner_defaults(optimizer.get())),
+      module_(std::move(module)),
+      optimizer_(std::move(optimizer)),
+      options_(options) {
   TORCH_CHECK(module_ && optimizer_, "ShardedOptimizer: the module and the optimizer must not be null");
+  for (const auto& g : optimizer_->param_groups()) synced_lr_.push_back(g.options().get_lr());
   TORCH_CHECK(optimizer_->state().empty(),
               "ShardedOptimizer: the optimizer has already stepped; wrap it before "
               "the first step so that its state is created for the local shard only");
@@ -243,7 +261,38 @@ double ShardedOptimizer::clip_grad_norm(double max_norm, const std::vector<comm:
   return parallel::clip_grad_norm(counted, max_norm, norms_.get(), across, scaled_only);
 }
 
-void ShardedOptimizer::step() {
+void ShardedOptimizer::sync_options() {
+  auto& mine = param_groups();
+  auto& inner = optimizer_->param_groups();
+  TORCH_CHECK(mine.size() == inner.size(), "ShardedOptimizer: the inner optimizer has ", inner.size(),
+              " param groups, this one ", mine.size(), "; add param groups before wrapping the optimizer");
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (inner[i].options().get_lr() != synced_lr_[i])
+      mine[i].set_options(inner[i].options().clone());  // set on the inner side
+    else
+      inner[i].set_options(mine[i].options().clone());
+    synced_lr_[i] = inner[i].options().get_lr();
+  }
+}
+
+void ShardedOptimizer::save(torch::serialize::OutputArchive& /*archive*/) const {
+  TORCH_CHECK(false, "ShardedOptimizer::save: LibTorch's optimizer archive would hold none of the sharded state; "
+                     "save its pieces with train::optimizer_pieces and train::save_checkpoint, or train::Trainer::save "
+                     "(docs/checkpoints.md)");
+}
+
+void ShardedOptimizer::load(torch::serialize::InputArchive& /*archive*/) {
+  TORCH_CHECK(false, "ShardedOptimizer::load: LibTorch's optimizer archive holds none of the sharded state; "
+                     "load them with train::load_optimizer_pieces, or train::Trainer::load (docs/checkpoints.md)");
+}
+
+at::Tensor ShardedOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode grad(true);
+    loss = closure();
+  }
+  sync_options();
   load_master_grads();
   at::NoGradGuard no_grad;
   if (masters_.empty()) {
@@ -263,6 +312,7 @@ void ShardedOptimizer::step() {
   }
   master_grads_ready_ = false;
   module_->sync_params_after_step();
+  return loss;
 }
 
 void ShardedOptimizer::copy_masters_to_params() {

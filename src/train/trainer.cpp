@@ -177,7 +177,7 @@ StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& target
   const auto start = std::chrono::steady_clock::now();
   StepStats stats;
   stats.lr = options_.lr().at(step_);
-  for (auto& group : optimizer_->inner().param_groups()) group.options().set_lr(stats.lr);
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(stats.lr);
   optimizer_->zero_grad();
   const double local_loss = forward_backward(inputs, targets);
 

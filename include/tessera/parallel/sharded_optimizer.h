@@ -27,6 +27,20 @@
 // parameter dtype) before the parameters are re-gathered. Without offload the
 // master gradients exist only during clip/step, so the memory after a step
 // is 2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os for bf16 parameters and fp32 AdamW.
+//
+// Note [A torch::optim::Optimizer]
+// ShardedOptimizer is a torch::optim::Optimizer, so code written for one
+// (LibTorch's learning-rate schedulers, a training loop taking Optimizer&)
+// takes it. Its own param groups mirror the inner optimizer's: one per
+// group, with a copy of its options and no parameters (the pieces belong to
+// the inner optimizer). step() carries the options over: the inner group
+// takes this side's options, unless its learning rate was changed on the
+// inner side since the last step (code setting inner()'s lr directly), in
+// which case this side takes the inner's. LibTorch's Optimizer::zero_grad is
+// not virtual: through an Optimizer& it sees no parameters and does nothing,
+// so call ShardedOptimizer::zero_grad (or ShardedModule::zero_grad).
+// Optimizer::save/load would see none of the sharded state and are refused:
+// use train::save_checkpoint.
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/whole_norms.h"
 
@@ -52,7 +66,7 @@ struct ShardedOptimizerOptions {
   ShardedOptimizerOptions() = default;
 };
 
-class ShardedOptimizer {
+class ShardedOptimizer : public torch::optim::Optimizer {
  public:
   // The optimizer must not have stepped yet (its state would belong to the
   // full parameters). Every parameter in it must belong to `module`.
@@ -60,10 +74,14 @@ class ShardedOptimizer {
                    ShardedOptimizerOptions options = {});
 
   // Waits for the gradient reductions, steps the local pieces, re-gathers
-  // the parameters into their placement.
-  void step();
+  // the parameters into their placement. A closure is called first, with
+  // gradients enabled (its backward reduces the gradients); its loss is returned.
+  at::Tensor step(LossClosure closure = nullptr) override;
   // Zeroes gradients in place (never to none; see docs/latest-libtorch.md, difference 3).
   void zero_grad();
+  // Refused (Note [A torch::optim::Optimizer]).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
 
   // Clips the reduced gradients of all pieces by their global norm
   // (parallel::clip_grad_norm with this optimizer's WholeNorms); call it
@@ -121,6 +139,7 @@ class ShardedOptimizer {
     at::Tensor master_grad;  // its gradient; memory held only around a step unless offloading
   };
   void load_master_grads();
+  void sync_options();
 
   ShardedModulePtr module_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
@@ -129,6 +148,7 @@ class ShardedOptimizer {
   std::vector<Master> masters_;  // per bucket, when there are masters
   bool master_grads_ready_ = false;
   WholeNormsPtr norms_;
+  std::vector<double> synced_lr_;  // per group, at the last sync_options()
 };
 
 }  // namespace parallel
