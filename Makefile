@@ -52,14 +52,16 @@ demo: build
 bench: build
 	$(MPIRUN_ENV) mpirun -np 4 $(BUILD)/bench/comm_bench --json
 
-# LibTorch from PyPI's torch wheel, in a virtual environment of its own.
+# LibTorch from PyPI's torch wheel, in a virtual environment of its own; the
+# venv's Python (with transformers) runs the Python tests, hf_export_gpt2 included.
 test-latest: deps
 	scripts/install-deps.sh python3-venv
 	scripts/setup-latest-torch.sh $(BUILD_LATEST)/venv > $(BUILD_LATEST).env
 	. ./$(BUILD_LATEST).env && \
 	  cmake -S . -B $(BUILD_LATEST) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DCMAKE_PREFIX_PATH="$$TORCH_PREFIX" \
 	    -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc -DCUDAToolkit_ROOT=$(CUDA_HOME) \
-	    -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DTORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" && \
+	    -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DTORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
+	    -DPython3_EXECUTABLE=$(abspath $(BUILD_LATEST))/venv/bin/python && \
 	  cmake --build $(BUILD_LATEST) -j $(JOBS) && \
 	  LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) $(CTEST_ARGS)
 

@@ -127,6 +127,26 @@ fi
 # imported lazily); CMake does not need it.
 "$PY" -c 'import typing_extensions' >/dev/null 2>&1 || pip_install --no-deps typing-extensions
 
+# --- 3b. Hugging Face transformers, for the hf_export_gpt2 test -----------------
+# transformers imports torch's Python side (torch.fx needs sympy), so torch's
+# pure-Python requirements come too; never its CUDA wheels, triton or
+# setuptools. A constraint pins the installed torch: pip may not replace it.
+if ! "$PY" -c 'import transformers, safetensors, sympy, networkx, jinja2' >/dev/null 2>&1; then
+  mapfile -t pyreqs < <("$PY" <<'EOF'
+import importlib.metadata as md, re
+for req in md.requires("torch") or []:
+    name = re.match(r"\s*([A-Za-z0-9_.-]+)", req).group(1).lower()
+    if "extra ==" not in req and not re.match(r"(nvidia-|cuda-|triton|setuptools)", name):
+        print(req.split(";")[0].strip())
+EOF
+  )
+  constraint=$(mktemp)
+  "$PY" -c 'import importlib.metadata as md; print("torch==" + md.version("torch"))' > "$constraint"
+  log "pip install transformers safetensors ${pyreqs[*]} (torch pinned)"
+  pip_install --no-warn-conflicts --constraint "$constraint" transformers safetensors "${pyreqs[@]}"
+  rm -f "$constraint"
+fi
+
 # --- 4. paths ------------------------------------------------------------------
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
 TORCH_PREFIX="$SP/torch"
