@@ -79,17 +79,16 @@ struct ShardState {
   // training every rank holds rank 0's, which evaluation and checkpoints then
   // use. Backward passes with gradient sync off leave them alone, as DDP's
   // no_sync() does. One broadcast per dtype.
-  void sync_buffers() {
-    if (!buffer_group) return;
+  static void broadcast_buffers(const std::vector<at::Tensor>& list, comm::Communicator& group) {
     at::NoGradGuard no_grad;
     std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
-    for (const auto& b : buffers)
+    for (const auto& b : list)
       if (b.defined() && b.numel() > 0) by_dtype[b.scalar_type()].push_back(b);
     for (auto& [dtype, list] : by_dtype) {
       std::vector<at::Tensor> flat;
       for (const auto& b : list) flat.push_back(b.reshape({-1}));
       at::Tensor all = at::cat(flat);
-      buffer_group->broadcast(all);
+      group.broadcast(all);
       int64_t offset = 0;
       for (auto& b : list) {
         b.copy_(all.narrow(0, offset, b.numel()).view_as(b));
@@ -192,7 +191,7 @@ struct ShardState {
     for (size_t b = 0; b < buckets.size(); ++b)
       if (!finalized[b]) finalize(b);
     for (auto& bucket : buckets) bucket->reduce_partial();
-    sync_buffers();
+    if (buffer_group) broadcast_buffers(buffers, *buffer_group);
     std::fill(arrived.begin(), arrived.end(), 0);
     std::fill(ready.begin(), ready.end(), false);
     std::fill(finalized.begin(), finalized.end(), false);

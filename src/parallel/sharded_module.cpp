@@ -489,15 +489,7 @@ double ShardedModule::global_mean(const at::Tensor& value) const {
 }
 
 void ShardedModule::broadcast_buffers() {
-  ShardState& s = *state_;
-  if (group_->size() == 1) return;
-  auto kept = s.buffer_group;
-  auto kept_list = s.buffers;
-  s.buffer_group = group_;
-  s.buffers = module_->buffers();
-  s.sync_buffers();
-  s.buffer_group = kept;
-  s.buffers = kept_list;
+  if (group_->size() > 1) ShardState::broadcast_buffers(module_->buffers(), *group_);
 }
 
 ShardedModule::FullParams::FullParams(ShardedModule& owner) : owner_(owner) {
