@@ -82,9 +82,13 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   const at::Tensor local_count = at::full({1}, static_cast<double>(input.numel() / c), x.options());
   const at::Tensor sums = sum_over(at::cat({x.sum(dims), local_count}), options.group());
   const at::Tensor count = sums.narrow(0, c, 1).detach();
-  const double n = count.item<double>();
-  TORCH_CHECK(n > 1, "SyncBatchNorm: expected more than 1 value per channel when training over the group, got ", n,
-              " (input ", input.sizes(), ")");
+  // Read the global count only when the local one cannot vouch for it: no
+  // device-to-host synchronisation in the common case.
+  if (input.numel() / c <= 1) {
+    const double n = count.item<double>();
+    TORCH_CHECK(n > 1, "SyncBatchNorm: expected more than 1 value per channel when training over the group, got ",
+                n, " (input ", input.sizes(), ")");
+  }
   const at::Tensor mean = sums.narrow(0, 0, c) / count;
   const at::Tensor centered = x - mean.view(shape);
   const at::Tensor var = sum_over((centered * centered).sum(dims), options.group()) / count;
@@ -96,7 +100,7 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
     num_batches_tracked.add_(1);
     const double m = options.momentum() ? *options.momentum() : 1.0 / num_batches_tracked.item<double>();
     running_mean.mul_(1 - m).add_(mean.detach().to(running_mean.scalar_type()), m);
-    running_var.mul_(1 - m).add_((var.detach() * (n / (n - 1))).to(running_var.scalar_type()), m);
+    running_var.mul_(1 - m).add_((var.detach() * count / (count - 1)).to(running_var.scalar_type()), m);
   }
   return out.to(input.scalar_type());
 }

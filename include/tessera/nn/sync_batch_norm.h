@@ -16,9 +16,9 @@
 // rounding). The all-reduce's adjoint is an all-reduce, since every rank's
 // loss depends on the global statistics: the gradient of each rank's input
 // is that of the whole batch's loss, as in the serial layer. Four all-reduces
-// of C + 1 values per layer and step (two forward, two backward), and one
-// device-to-host read of the count (to refuse a batch of one value per
-// channel). Evaluation uses the running statistics and communicates nothing.
+// of C + 1 values per layer and step (two forward, two backward); the global
+// count is read to the host only when a rank holds at most one value per
+// channel (to refuse a batch of one value per channel over the group). Evaluation uses the running statistics and communicates nothing.
 // Running statistics are updated from the global statistics, so they are the
 // same on every rank. A null group or a group of one is plain BatchNorm.
 #include "tessera/comm/communicator.h"
