@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace tessera {
 namespace {
 
@@ -67,26 +69,36 @@ TEST(PipelineSchedule, InterleavedIsLowerByItsVirtualStages) {
 }
 
 // Zero-bubble schedules (Qi et al. 2023) split the backward into an input
-// part (I) and a weight part (W) that fills the bubbles. With F = I = W:
-// ZB-H1 keeps 1F1B's activation memory and its bubble is
-// 2(p - 1) / (3m + 2(p - 1)); ZB-H2 lets forwards run ahead of pending W's
-// and reaches (p - 1) / (3m + p - 1), below interleaving with two chunks.
-TEST(PipelineSchedule, ZeroBubbleSchedulesAreLowerStill) {
+// part (I) and a weight part (W) that fills the bubbles. With F = I = W the
+// paper's closed forms are:
+//   ZB-H1: bubble (p - 1)/(3m + p - 1), 1F1B's peak memory (p micro-batches)
+//          on every rank; rank r idles p - 1 - r inside its span;
+//   ZB-H2: no idle time between a rank's first and last action (the
+//          parallelogram) once m >= 2p - 1, holding 2p - 1 micro-batches.
+// In one synchronous step the last rank starts p - 1 late whatever the
+// schedule, so ZB-H2's step bubble equals ZB-H1's.
+TEST(PipelineSchedule, ZeroBubbleSchedulesMatchThePublishedClosedForms) {
   for (int p : {2, 4, 8}) {
     for (int m : microbatch_counts(p)) {
       const auto h1 = simulate(make_schedule(ScheduleKind::kZeroBubbleH1, p, m), uniform(1));
       const auto h2 = simulate(make_schedule(ScheduleKind::kZeroBubbleH2, p, m), uniform(1));
       const auto plain = simulate(make_schedule(ScheduleKind::k1F1B, p, m), uniform(1));
       const auto interleaved = simulate(make_schedule(ScheduleKind::kInterleaved1F1B, p, m, 2), uniform(2));
+      const int plain_peak = *std::max_element(plain.peak_inflight.begin(), plain.peak_inflight.end());
       if (m >= p) {
-        EXPECT_NEAR(h1.bubble, 2.0 * (p - 1) / (3.0 * m + 2 * (p - 1)), kExact) << "p " << p << " m " << m;
-        EXPECT_NEAR(h2.bubble, (p - 1.0) / (3.0 * m + p - 1), kExact) << "p " << p << " m " << m;
+        EXPECT_NEAR(h1.bubble, (p - 1.0) / (3.0 * m + p - 1), kExact) << "p " << p << " m " << m;
         EXPECT_LT(h1.bubble, plain.bubble) << "p " << p << " m " << m;
-        EXPECT_LT(h2.bubble, interleaved.bubble) << "p " << p << " m " << m;
+        EXPECT_LT(h1.bubble, interleaved.bubble) << "p " << p << " m " << m;
+        for (int r = 0; r < p; ++r) EXPECT_NEAR(h1.idle_within[r], p - 1 - r, kExact) << "p " << p << " m " << m;
       }
+      if (m >= 2 * p - 1) {
+        EXPECT_NEAR(h2.bubble, (p - 1.0) / (3.0 * m + p - 1), kExact) << "p " << p << " m " << m;
+        for (int r = 0; r < p; ++r) EXPECT_NEAR(h2.idle_within[r], 0.0, kExact) << "p " << p << " m " << m << " r " << r;
+      }
+      EXPECT_LE(h2.bubble, h1.bubble + kExact) << "p " << p << " m " << m;
       for (int r = 0; r < p; ++r) {
-        EXPECT_LE(h1.peak_inflight[r], std::min(m, p - r)) << "p " << p << " m " << m;
-        EXPECT_LE(h2.peak_inflight[r], std::min(m, 2 * p)) << "p " << p << " m " << m;
+        EXPECT_LE(h1.peak_inflight[r], plain_peak) << "p " << p << " m " << m;
+        EXPECT_LE(h2.peak_inflight[r], std::min(m, 2 * p - 1)) << "p " << p << " m " << m;
       }
     }
   }

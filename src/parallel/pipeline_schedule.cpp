@@ -44,15 +44,21 @@ const char* short_name(ActionKind kind) {
 //   1F1B         backward first; at most min(pp - r, m) forwards in flight;
 //   interleaved  the same with Megatron's orders (micro-batches in groups of
 //                pp, chunk by chunk) and its warm-up 2(pp - r - 1) + (v - 1)pp;
-//   ZB-H1        1F1B with B split into I and W: I first, then F, W when
-//                nothing else is ready or pp weight passes are pending; a
-//                micro-batch is in flight until its W, so the limit keeps
-//                1F1B's activation memory;
-//   ZB-H2        the same, but a micro-batch leaves the in-flight count at
-//                its I: forwards run ahead of pending W's, whose activations
-//                stay (up to about 2pp micro-batches), and the W's fill the
-//                bubbles; with F = I = W the bubble is (pp - 1)/(3m + pp - 1)
-//                against ZB-H1's 2(pp - 1)/(3m + 2(pp - 1)).
+//   ZB-H1        1F1B's order of F and I (B split into I and W, at most
+//                pp - r micro-batches between F and I), and W only when
+//                nothing else is ready or when rank r would otherwise hold
+//                more than pp micro-batches between F and W: every rank
+//                holds at most 1F1B's peak (rank 0's pp), the last ranks
+//                defer up to pp W's into the cool-down, and with
+//                F = I = W the bubble is the published (pp - 1)/(3m + pp - 1);
+//   ZB-H2        the same with 2(pp - r) - 1 micro-batches between F and I
+//                and 2pp - 1 held: the warm-up fills the wait for the first
+//                gradient and the W's fill the cool-down, so for
+//                m >= 2pp - 1 every rank works without a gap from its first
+//                action to its last (the published parallelogram). In one
+//                synchronous step the last rank still starts pp - 1 late,
+//                so the bubble of the step equals ZB-H1's; the gain is that
+//                rank 0 finishes pp - 1 earlier (docs/pipeline.md).
 // Because an action is only placed once what it needs has run, the orders
 // are deadlock-free by construction for any m, also where the closed-form
 // schedules assume pp divides m. If the in-flight limits ever leave no rank
@@ -108,7 +114,9 @@ class Generator {
     std::vector<std::pair<int, int>> forwards, backwards;  // (micro-batch, chunk) in order
     size_t next_f = 0, next_b = 0;
     std::deque<std::pair<int, int>> pending_w;
-    int inflight = 0, limit = 0;
+    int inflight = 0, limit = 0;  // forwards whose B (or I) has not run
+    int held = 0;                 // forwards whose B (or W) has not run
+    int hold_limit = std::numeric_limits<int>::max();
     double free_at = 0;
     bool finished() const { return next_f == forwards.size() && next_b == backwards.size() && pending_w.empty(); }
   };
@@ -129,7 +137,21 @@ class Generator {
         st.forwards.emplace_back(mb, 0);
         st.backwards.emplace_back(mb, 0);
       }
-      st.limit = kind_ == ScheduleKind::kGPipe ? m_ : std::min(m_, pp_ - r);
+      switch (kind_) {
+        case ScheduleKind::kGPipe:
+          st.limit = m_;
+          break;
+        case ScheduleKind::kZeroBubbleH1:
+          st.limit = std::min(m_, pp_ - r);
+          st.hold_limit = std::min(m_, pp_);
+          break;
+        case ScheduleKind::kZeroBubbleH2:
+          st.limit = std::min(m_, 2 * (pp_ - r) - 1);
+          st.hold_limit = std::min(m_, 2 * pp_ - 1);
+          break;
+        default:
+          st.limit = std::min(m_, pp_ - r);
+      }
     }
   }
 
@@ -146,7 +168,7 @@ class Generator {
       int priority;  // lower is preferred
     };
     std::vector<Candidate> cands;
-    if (st.next_f < st.forwards.size() && st.inflight < st.limit) {
+    if (st.next_f < st.forwards.size() && st.inflight < st.limit && st.held < st.hold_limit) {
       const auto [mb, c] = st.forwards[st.next_f];
       const int s = stage(r, c);
       const double ready = s == 0 ? 0.0 : fwd_done_[s - 1][mb];
@@ -169,7 +191,7 @@ class Generator {
     }
     if (!st.pending_w.empty()) {
       const auto [mb, s] = st.pending_w.front();
-      const bool forced = static_cast<int>(st.pending_w.size()) >= pp_;
+      const bool forced = st.held >= st.hold_limit && st.next_f < st.forwards.size();
       cands.push_back({{ActionKind::kBackwardWeight, mb, s}, 0.0, forced ? -1 : 2});
     }
     if (cands.empty()) return false;
@@ -192,6 +214,7 @@ class Generator {
       case ActionKind::kForward:
         ++st.next_f;
         ++st.inflight;
+        ++st.held;
         fwd_done_[a.stage][a.microbatch] = start + cost;
         break;
       case ActionKind::kBackward:
@@ -199,15 +222,13 @@ class Generator {
         [[fallthrough]];
       case ActionKind::kBackwardInput:
         ++st.next_b;
-        // ZB-H1 counts a micro-batch in flight until its W (1F1B's memory),
-        // ZB-H2 until its I (W may wait: more memory, smaller bubble).
-        if (a.kind == ActionKind::kBackward || kind_ == ScheduleKind::kZeroBubbleH2) --st.inflight;
+        --st.inflight;
         bwd_done_[a.stage][a.microbatch] = start + cost;
         if (a.kind == ActionKind::kBackwardInput) st.pending_w.emplace_back(a.microbatch, a.stage);
         break;
       case ActionKind::kBackwardWeight:
         st.pending_w.pop_front();
-        if (kind_ == ScheduleKind::kZeroBubbleH1) --st.inflight;
+        --st.held;
         break;
       default:
         TORCH_INTERNAL_ASSERT(false, "generator placed a communication action");
@@ -220,6 +241,10 @@ class Generator {
     for (auto& st : ranks_) {
       if (st.next_f < st.forwards.size() && st.inflight >= st.limit) {
         ++st.limit;
+        raised = true;
+      }
+      if (st.next_f < st.forwards.size() && st.held >= st.hold_limit) {
+        ++st.hold_limit;
         raised = true;
       }
     }

@@ -109,6 +109,12 @@ class Simulator {
     double busy = 0;
     for (double b : sim.busy) busy += b;
     sim.bubble = sim.makespan > 0 ? 1.0 - busy / (s_.pp * sim.makespan) : 0.0;
+    sim.idle_within.assign(s_.pp, 0.0);
+    for (int r = 0; r < s_.pp; ++r) {
+      if (sim.timeline[r].empty()) continue;
+      const auto& [last_start, last] = sim.timeline[r].back();
+      sim.idle_within[r] = last_start + cost_of(last.kind) - sim.timeline[r].front().first - sim.busy[r];
+    }
     return sim;
   }
 

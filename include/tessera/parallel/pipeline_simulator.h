@@ -25,6 +25,10 @@ struct Simulation {
   std::vector<double> busy;  // per rank, compute time
   // 1 - sum(busy) / (pp · makespan): the fraction of rank time spent idle.
   double bubble = 0;
+  // Per rank, idle time between the start of its first compute action and
+  // the end of its last: the bubble a rank cannot hide by starting late or
+  // by letting the next step begin early.
+  std::vector<double> idle_within;
   // Per rank, the most micro-batch stages whose forward has run and whose
   // backward (B, or W after I) has not: activations held at once.
   std::vector<int> peak_inflight;
