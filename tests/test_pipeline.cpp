@@ -325,6 +325,90 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
   }
 }
 
+// Note [Split backward]: the input pass of a zero-bubble schedule computes
+// only input gradients and the weight pass only weight gradients, so each
+// product of the backward runs once, as in 1F1B's single backward. Layers
+// whose backward counts the products it computes (honouring
+// needs_input_grad as aten's formulas do) show it; re-running the backward
+// restricted to the weights in W would count the input products again.
+struct ProductCounts {
+  int64_t input = 0, weight = 0;
+};
+
+struct CountingMatmul : torch::autograd::Function<CountingMatmul> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            ProductCounts* counts) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["counts"] = reinterpret_cast<int64_t>(counts);
+    return at::matmul(x, w.t());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    auto* counts = reinterpret_cast<ProductCounts*>(ctx->saved_data["counts"].toInt());
+    at::Tensor gx, gw;
+    if (ctx->needs_input_grad(0)) {
+      gx = at::matmul(g[0], saved[1]);
+      ++counts->input;
+    }
+    if (ctx->needs_input_grad(1)) {
+      gw = at::matmul(g[0].t(), saved[0]);
+      ++counts->weight;
+    }
+    return {gx, gw, at::Tensor()};
+  }
+};
+
+struct CountingLayerImpl : torch::nn::Module {
+  CountingLayerImpl(const at::Tensor& w, ProductCounts* c) : counts(c) {
+    weight = register_parameter("weight", w.clone());
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(CountingMatmul::apply(x, weight, counts)); }
+  at::Tensor weight;
+  ProductCounts* counts;
+};
+TORCH_MODULE(CountingLayer);
+
+TEST(PipelineSplitBackward, InputAndWeightPassesDoEachProductOnce) {
+  const int p = test::world()->size();
+  constexpr int kLayers = 8, kWidth = 6;
+  const int m = 2 * p + 1;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < kLayers; ++i) weights.push_back(at::randn({kWidth, kWidth}, gen) * 0.5);
+  const at::Tensor x = at::randn({2 * m, kWidth}, gen), y = at::randn({2 * m, kWidth}, gen);
+  // Serial: plain LibTorch on the same weights.
+  std::vector<at::Tensor> serial;
+  for (const auto& w : weights) serial.push_back(w.clone().requires_grad_(true));
+  at::Tensor h = x;
+  for (const auto& w : serial) h = at::tanh(at::matmul(h, w.t()));
+  at::mse_loss(h, y).backward();
+
+  auto ctx = pipeline_context();
+  for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleH2}) {
+    SCOPED_TRACE(parallel::to_string(kind));
+    ProductCounts counts;
+    torch::nn::Sequential model;
+    for (const auto& w : weights) model->push_back(CountingLayer(w, &counts));
+    PipelineExecutor pipe(
+        model, ctx, [](const at::Tensor& out, const at::Tensor& t) { return at::mse_loss(out, t); },
+        PipelineOptions().schedule(kind).microbatches(m));
+    pipe.run(x, y);
+    at::Tensor totals = at::tensor({counts.input, counts.weight}, at::kLong);
+    ctx->comm(context::ParallelMode::kPipeline)->all_reduce(totals);
+    // Every layer's weight product once per micro-batch; the input product
+    // for every layer but the first (the batch needs no gradient).
+    EXPECT_EQ(totals[0].item<int64_t>(), (kLayers - 1) * m);
+    EXPECT_EQ(totals[1].item<int64_t>(), kLayers * m);
+    for (const auto& layer : pipe.local_layers()) {
+      const int i = std::stoi(layer.first);
+      const at::Tensor g = layer.second->named_parameters()["weight"].grad();
+      ASSERT_TRUE(g.defined()) << "layer " << i;
+      EXPECT_LE(test::rel_error(g, serial[i].grad()), kTolerance) << "layer " << i;
+    }
+  }
+}
+
 TEST(PipelineErrors, BadInputIsRefusedOnEveryRank) {
   const int p = test::world()->size();
   if (p > 4) GTEST_SKIP() << "the 4-layer GPT fits pipelines of up to 4 ranks";

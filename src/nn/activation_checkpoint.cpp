@@ -124,15 +124,27 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
       result[0] = x.grad();
       return result;
     }
+    variable_list all;
+    if (x.requires_grad()) all.push_back(x);
+    all.insert(all.end(), state.params.begin(), state.params.end());
+    check_leaves(out, all);
+    // Only what the outer backward wants: a zero-bubble input pass wants the
+    // input alone, its weight pass the parameters alone (Note [Split backward]).
     variable_list wrt;
-    if (x.requires_grad()) wrt.push_back(x);
-    wrt.insert(wrt.end(), state.params.begin(), state.params.end());
-    check_leaves(out, wrt);
+    std::vector<size_t> slot;
+    if (x.requires_grad() && ctx->needs_input_grad(0)) {
+      wrt.push_back(x);
+      slot.push_back(0);
+    }
+    for (size_t i = 0; i < state.params.size(); ++i) {
+      if (!ctx->needs_input_grad(i + 1)) continue;
+      wrt.push_back(state.params[i]);
+      slot.push_back(i + 1);
+    }
+    if (wrt.empty()) return result;
     variable_list g = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                             /*allow_unused=*/true);
-    size_t next = 0;
-    if (x.requires_grad()) result[0] = g[next++];
-    for (size_t i = 0; i < state.params.size(); ++i) result[i + 1] = g[next++];
+    for (size_t k = 0; k < g.size(); ++k) result[slot[k]] = g[k];
     return result;
   }
 };

@@ -1,5 +1,6 @@
 #include "tessera/parallel/pipeline_executor.h"
 
+#include "split_backward.h"
 #include "tessera/parallel/pipeline_partition.h"
 
 #include <ATen/ATen.h>
@@ -47,6 +48,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 struct PipelineExecutor::Impl {
   struct Slot {
     at::Tensor input, output, grad_output, input_grad;
+    detail::SplitBackward split;  // between I and W
   };
   using Key = std::pair<int, int>;                // (micro-batch, stage)
   using MessageKey = std::tuple<bool, int, int>;  // (activation, micro-batch, receiving stage)
@@ -348,18 +350,16 @@ void PipelineExecutor::run_action(const Action& a) {
       break;
     }
     case ActionKind::kBackwardInput: {
-      if (a.stage == 0) break;  // token ids need no gradient; W does the whole backward
-      auto [outputs, grads] = roots();
-      slot.input_grad = torch::autograd::grad(outputs, {slot.input}, grads, /*retain_graph=*/true)[0];
+      // Note [Split backward]: only the input's gradient now; what W needs
+      // stays in slot.split, the rest of the graph goes.
+      slot.input_grad = slot.split.input_part(slot.output, is_last ? at::Tensor() : slot.grad_output,
+                                              a.stage == 0 ? at::Tensor() : slot.input);
+      slot.output = slot.grad_output = slot.input = at::Tensor();
       break;
     }
     case ActionKind::kBackwardWeight: {
-      auto [outputs, grads] = roots();
-      std::vector<at::Tensor> params;
-      for (const auto& p : chunks_.at(a.stage)->parameters())
-        if (p.requires_grad()) params.push_back(p);
-      torch::autograd::backward(outputs, grads, /*retain_graph=*/false, /*create_graph=*/false, params);
-      slot.output = slot.grad_output = slot.input = at::Tensor();
+      slot.split.weight_part();
+      st.slots.erase({a.microbatch, a.stage});
       break;
     }
     default:
