@@ -123,5 +123,32 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
   optimizer.sync_params_from_pieces();
 }
 
+std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer) {
+  std::vector<TensorPiece> out;
+  if (!writer) return out;
+  for (const auto& b : module.named_buffers()) {
+    if (!b.value().defined()) continue;
+    TensorPiece t;
+    t.name = "buffer/" + b.key();
+    t.full_shape = b.value().sizes().vec();
+    t.data = b.value().detach();
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+void load_buffer_pieces(const CheckpointReader& reader, torch::nn::Module& module) {
+  at::NoGradGuard no_grad;
+  for (const auto& b : module.named_buffers()) {
+    if (!b.value().defined()) continue;
+    const std::string key = "buffer/" + b.key();
+    TORCH_CHECK(reader.contains(key), "checkpoint ", reader.dir(), " has no buffer '", b.key(),
+                "' (saved as '", key, "'); it was saved from a module without it or by a tessera that did not save buffers");
+    TORCH_CHECK(reader.full_shape(key) == b.value().sizes().vec(), "checkpoint ", reader.dir(), ": buffer '", b.key(),
+                "' has shape ", c10::IntArrayRef(reader.full_shape(key)), ", the module's has ", b.value().sizes());
+    b.value().copy_(reader.full(key));
+  }
+}
+
 }  // namespace train
 }  // namespace tessera

@@ -236,6 +236,8 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
 
 void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
   std::vector<TensorPiece> pieces = optimizer_pieces(*optimizer_, placements_);
+  for (auto& b : buffer_pieces(*local_, ctx_->comm(context::ParallelMode::kData)->rank() == 0))
+    pieces.push_back(std::move(b));
   // This rank's CPU generator, for dropout and anything else the user draws.
   // This rank's random streams: its default CPU generator and its dropout layers'.
   auto add_stream = [&](const std::string& name, at::Generator gen) {
@@ -279,6 +281,7 @@ std::string Trainer::load(const std::string& dir) {
               meta.value("optimizer", ""), "', this trainer's optimizer is '", kind,
               "': their states do not carry over; resume with the same optimizer");
   load_optimizer_pieces(reader, *optimizer_, placements_);
+  load_buffer_pieces(reader, *local_);
   step_ = meta.at("step").get<int64_t>();
   if (scaler_ && meta.contains("loss_scaler")) {
     const auto& s = meta["loss_scaler"];

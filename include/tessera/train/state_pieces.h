@@ -34,5 +34,19 @@ std::vector<TensorPiece> optimizer_pieces(parallel::ShardedOptimizer& optimizer,
 void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOptimizer& optimizer,
                            const Placements& placements);
 
+// Note [Buffers in checkpoints]
+// A module's buffers (BatchNorm's running statistics, any registered
+// buffer) are saved whole as "buffer/<name>" (named_buffers() names). The
+// data-parallel replicas hold the same buffers when ShardedModule
+// broadcasts them (its default); otherwise they differ, and the checkpoint
+// keeps data rank 0's, which every rank loads: pass `writer` true on data
+// rank 0 only. Buffers are not sharded, so they load into any data,
+// tensor or pipeline layout whose ranks hold buffers of those names.
+std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer);
+
+// Copies "buffer/<name>" into each buffer of `module`. Throws naming the
+// buffer when the checkpoint lacks it or has another shape.
+void load_buffer_pieces(const CheckpointReader& reader, torch::nn::Module& module);
+
 }  // namespace train
 }  // namespace tessera
