@@ -69,6 +69,20 @@ template <typename Fn>
   return ::testing::AssertionFailure() << "expected a c10::Error containing '" << needle << "', got: " << message;
 }
 
+// Whether a sharding spec's sub-group sizes (P(k), mics:k) fit data size dp:
+// each k divides dp. Written apart from ShardingSpec::resolve so that a spec
+// resolve() wrongly rejects fails its test instead of being skipped.
+inline bool spec_fits(const std::string& spec, int dp) {
+  for (const char* marker : {"P(", "mics:"}) {
+    const std::string m = marker;
+    for (size_t at = spec.find(m); at != std::string::npos; at = spec.find(m, at + 1)) {
+      const int k = std::stoi(spec.substr(at + m.size()));
+      if (k > dp || dp % k != 0) return false;
+    }
+  }
+  return true;
+}
+
 // Note [AdamW eps in equality tests]
 // AdamW moves each weight by about lr · g / (|g| + eps). A gradient whose
 // terms cancel to rounding size (which differs with every layout's summation
