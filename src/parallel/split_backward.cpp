@@ -53,20 +53,26 @@ using torch::autograd::variable_list;
 constexpr unsigned char kReachesInput = 1;
 constexpr unsigned char kReachesLeaf = 2;
 
+struct NodeInfo {
+  unsigned char flags = 0;
+  SplitBackward::NodePtr owner;  // from the edge that reached it
+};
+
 // For every node reachable from `root`: does it reach `input`'s
 // accumulator, does it reach another leaf's. Iterative post-order, as a
 // deep model's graph can be deeper than the stack.
-std::unordered_map<Node*, unsigned char> classify(Node* root, const Node* input) {
-  std::unordered_map<Node*, unsigned char> flags;
+std::unordered_map<Node*, NodeInfo> classify(const Edge& root, const Node* input) {
+  std::unordered_map<Node*, NodeInfo> info;
   std::vector<std::pair<Node*, uint32_t>> stack;
-  flags.emplace(root, 0);
-  stack.emplace_back(root, 0);
+  info.emplace(root.function.get(), NodeInfo{0, root.function});
+  stack.emplace_back(root.function.get(), 0);
   while (!stack.empty()) {
     auto& top = stack.back();
     Node* n = top.first;
     if (top.second < n->num_outputs()) {
-      Node* child = n->next_edge(top.second++).function.get();
-      if (child != nullptr && flags.emplace(child, 0).second) stack.emplace_back(child, 0);
+      const Edge& e = n->next_edge(top.second++);
+      Node* child = e.function.get();
+      if (child != nullptr && info.emplace(child, NodeInfo{0, e.function}).second) stack.emplace_back(child, 0);
       continue;
     }
     unsigned char f = 0;
@@ -76,11 +82,11 @@ std::unordered_map<Node*, unsigned char> classify(Node* root, const Node* input)
       f = kReachesLeaf;
     }
     for (const Edge& e : n->next_edges())
-      if (e.function) f |= flags.at(e.function.get());
-    flags[n] = f;
+      if (e.function) f |= info.at(e.function.get()).flags;
+    info[n].flags = f;
     stack.pop_back();
   }
-  return flags;
+  return info;
 }
 
 struct Keep : torch::autograd::FunctionPreHook {
@@ -108,9 +114,9 @@ at::Tensor SplitBackward::input_part(const at::Tensor& output, const at::Tensor&
   const Edge root = torch::autograd::impl::gradient_edge(output);
   at::Tensor seed = grad_output.defined() ? grad_output : at::ones_like(output);
   const Edge input_edge = wants_input ? torch::autograd::impl::gradient_edge(input) : Edge();
-  auto flags = classify(root.function.get(), input_edge.function.get());
+  const auto info = classify(root, input_edge.function.get());
 
-  if (!(flags.at(root.function.get()) & kReachesInput)) {
+  if (!(info.at(root.function.get()).flags & kReachesInput)) {
     // No input path: W is the whole backward.
     Frontier f{root.function, std::make_shared<variable_list>(root.function->num_inputs())};
     (*f.grads)[root.input_nr] = seed;
@@ -119,16 +125,16 @@ at::Tensor SplitBackward::input_part(const at::Tensor& output, const at::Tensor&
   }
 
   std::vector<const torch::autograd::FunctionPreHook*> hooks;
-  for (const auto& [node, f] : flags) {
-    if (!(f & kReachesInput) || node == input_edge.function.get()) continue;
+  for (const auto& [node, ni] : info) {
+    if (!(ni.flags & kReachesInput) || node == input_edge.function.get()) continue;
     bool frontier = false;
     for (const Edge& e : node->next_edges()) {
       if (!e.function) continue;
-      const unsigned char cf = flags.at(e.function.get());
+      const unsigned char cf = info.at(e.function.get()).flags;
       frontier = frontier || (!(cf & kReachesInput) && (cf & kReachesLeaf));
     }
     if (!frontier) continue;
-    Frontier fr{node->shared_from_this(), std::make_shared<variable_list>()};
+    Frontier fr{ni.owner, std::make_shared<variable_list>()};
     auto hook = std::make_unique<Keep>(fr.grads);
     hooks.push_back(hook.get());
     node->add_pre_hook(std::move(hook));
@@ -154,7 +160,7 @@ at::Tensor SplitBackward::input_part(const at::Tensor& output, const at::Tensor&
     for (uint32_t i = 0; i < fr.node->num_outputs(); ++i) {
       const Edge& e = fr.node->next_edge(i);
       if (!e.function) continue;
-      const unsigned char cf = flags.at(e.function.get());
+      const unsigned char cf = info.at(e.function.get()).flags;
       if ((cf & kReachesInput) || !(cf & kReachesLeaf)) fr.node->next_edges()[i] = Edge();  // no set_next_edge: it asserts on nodes with parents
     }
   }

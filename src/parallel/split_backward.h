@@ -4,6 +4,7 @@
 // weight part (W: the parameters' gradients), each doing only its own
 // products. See Note [Split backward].
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
 
 #include <memory>
 #include <vector>
@@ -11,7 +12,6 @@
 namespace torch {
 namespace autograd {
 struct FunctionPreHook;
-struct Node;
 }
 }  // namespace torch
 
@@ -21,6 +21,9 @@ namespace detail {
 
 class SplitBackward {
  public:
+  // shared_ptr in LibTorch 1.x, intrusive_ptr in 2.x: whatever an Edge holds.
+  using NodePtr = decltype(torch::autograd::Edge::function);
+
   SplitBackward() = default;
   SplitBackward(SplitBackward&&) noexcept;
   SplitBackward& operator=(SplitBackward&&) noexcept;
@@ -40,7 +43,7 @@ class SplitBackward {
 
  private:
   struct Frontier {
-    std::shared_ptr<torch::autograd::Node> node;
+    NodePtr node;
     std::shared_ptr<std::vector<at::Tensor>> grads;  // flowing into node, per input
   };
   void remove_hooks(const std::vector<const torch::autograd::FunctionPreHook*>& hooks);
