@@ -104,6 +104,38 @@ TEST(PipelineSchedule, ZeroBubbleSchedulesMatchThePublishedClosedForms) {
   }
 }
 
+// Evaluation: forwards only, each once, only activation messages, no
+// activation held for a backward.
+TEST(PipelineSchedule, ForwardOnlyRunsEachForwardOnceWithoutGradients) {
+  for (int v : {1, 2}) {
+    for (int p : {1, 2, 4}) {
+      for (int m : {1, 3, 4, 8}) {
+        const Schedule s = parallel::make_forward_schedule(p, m, v);
+        int forwards = 0;
+        for (const auto& actions : s.ranks) {
+          for (const auto& a : actions) {
+            forwards += a.kind == ActionKind::kForward;
+            EXPECT_TRUE(a.kind == ActionKind::kForward || a.kind == ActionKind::kSendActivation ||
+                        a.kind == ActionKind::kRecvActivation)
+                << a.to_string();
+          }
+        }
+        EXPECT_EQ(forwards, m * p * v);
+        const auto sim = simulate(s, uniform(v));
+        // F = 1/v: the fill (p - 1)/v plus one rank's m forwards of the whole
+        // model's share, once p divides m (as for interleaved training).
+        if (v == 1 || m % p == 0)
+          EXPECT_NEAR(sim.makespan, (p - 1.0) / v + m, kExact) << "p " << p << " m " << m << " v " << v;
+        for (int r = 0; r < p; ++r) EXPECT_EQ(sim.peak_inflight[r], 0);
+      }
+    }
+  }
+  // The simulator holds a forward-only schedule to its promise.
+  Schedule bad = parallel::make_forward_schedule(2, 2);
+  bad.ranks[1].push_back({ActionKind::kBackward, 0, 1});
+  EXPECT_THROW(simulate(bad), c10::Error);
+}
+
 TEST(PipelineSchedule, EveryActionOnceWithItsMessages) {
   const Schedule s = make_schedule(ScheduleKind::kInterleaved1F1B, 4, 9, 2);
   int forwards = 0, sends = 0, recvs = 0;

@@ -63,6 +63,17 @@ const char* short_name(ActionKind kind) {
 // are deadlock-free by construction for any m, also where the closed-form
 // schedules assume pp divides m. If the in-flight limits ever leave no rank
 // able to move, the limits are raised by one and the run continues.
+// (micro-batch, chunk) in the order a rank runs its forwards: chunk by chunk
+// in groups of pp micro-batches (Megatron's interleaved order; micro-batch
+// order when v = 1).
+std::vector<std::pair<int, int>> forward_order(int pp, int m, int v) {
+  std::vector<std::pair<int, int>> out;
+  for (int g = 0; g * pp < m; ++g)
+    for (int c = 0; c < v; ++c)
+      for (int mb = g * pp; mb < std::min(m, (g + 1) * pp); ++mb) out.emplace_back(mb, c);
+  return out;
+}
+
 class Generator {
  public:
   Generator(ScheduleKind kind, int pp, int m, int v) : kind_(kind), pp_(pp), m_(m), v_(v), stages_(pp * v) {
@@ -124,10 +135,9 @@ class Generator {
   void init_rank(int r) {
     RankState& st = ranks_[r];
     if (kind_ == ScheduleKind::kInterleaved1F1B) {
+      st.forwards = forward_order(pp_, m_, v_);
       for (int g = 0; g * pp_ < m_; ++g) {
         const int end = std::min(m_, (g + 1) * pp_);
-        for (int c = 0; c < v_; ++c)
-          for (int mb = g * pp_; mb < end; ++mb) st.forwards.emplace_back(mb, c);
         for (int c = v_ - 1; c >= 0; --c)
           for (int mb = g * pp_; mb < end; ++mb) st.backwards.emplace_back(mb, c);
       }
@@ -314,6 +324,26 @@ Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks) 
                 "; use the interleaved schedule for virtual stages");
   }
   return insert_communication(Generator(kind, pp, microbatches, chunks).run());
+}
+
+Schedule make_forward_schedule(int pp, int microbatches, int chunks) {
+  TORCH_CHECK(pp >= 1, "forward-only pipeline schedule: the pipeline size must be >= 1, got ", pp);
+  TORCH_CHECK(microbatches >= 1, "forward-only pipeline schedule: the number of micro-batches must be >= 1, got ",
+              microbatches);
+  TORCH_CHECK(chunks >= 1, "forward-only pipeline schedule: chunks (stages per rank) must be >= 1, got ", chunks);
+  // A training schedule's forward order with the backwards left out: fewer
+  // waits, so still deadlock-free.
+  Schedule s;
+  s.name = "forward-only";
+  s.pp = pp;
+  s.chunks = chunks;
+  s.microbatches = microbatches;
+  s.forward_only = true;
+  s.ranks.resize(pp);
+  for (int r = 0; r < pp; ++r)
+    for (const auto& [mb, c] : forward_order(pp, microbatches, chunks))
+      s.ranks[r].push_back({ActionKind::kForward, mb, c * pp + r});
+  return insert_communication(std::move(s));
 }
 
 Schedule insert_communication(Schedule s) {

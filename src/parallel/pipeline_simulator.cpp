@@ -64,7 +64,8 @@ class Simulator {
             switch (a.kind) {
               case ActionKind::kForward:
                 st |= kForwardDone;
-                sim.peak_inflight[r] = std::max(sim.peak_inflight[r], ++inflight[r]);
+                // A forward-only schedule keeps no activation for a backward.
+                if (!s_.forward_only) sim.peak_inflight[r] = std::max(sim.peak_inflight[r], ++inflight[r]);
                 break;
               case ActionKind::kBackward:
                 st |= kBackwardDone | kInputGradDone | kWeightDone;
@@ -101,6 +102,10 @@ class Simulator {
     for (int st = 0; st < s_.stages(); ++st) {
       for (int mb = 0; mb < s_.microbatches; ++mb) {
         const unsigned char v = state_[st][mb];
+        if (s_.forward_only) {
+          TORCH_CHECK(v == kForwardDone, where(), "never runs the forward of micro-batch ", mb, " on stage ", st);
+          continue;
+        }
         TORCH_CHECK((v & kForwardDone) && (v & kWeightDone) && (v & kInputGradDone), where(),
                     "never completes the forward and backward of micro-batch ", mb, " on stage ", st);
       }
@@ -146,6 +151,9 @@ class Simulator {
     const unsigned char st = state_[a.stage][a.microbatch];
     const unsigned char got = received_[a.stage][a.microbatch];
     const int last = s_.stages() - 1;
+    TORCH_CHECK(!s_.forward_only || a.kind == ActionKind::kForward || a.kind == ActionKind::kSendActivation ||
+                    a.kind == ActionKind::kRecvActivation,
+                where(r, i, a), "a forward-only schedule has no backward and no gradient messages");
     switch (a.kind) {
       case ActionKind::kForward:
         TORCH_CHECK(!(st & kForwardDone), where(r, i, a), "repeats a forward");

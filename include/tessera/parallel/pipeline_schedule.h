@@ -58,6 +58,8 @@ struct Schedule {
   int pp = 1;      // pipeline ranks
   int chunks = 1;  // stages per rank (virtual stages)
   int microbatches = 1;
+  // Forwards only (evaluation): no backward actions, no gradient messages.
+  bool forward_only = false;
   std::vector<std::vector<Action>> ranks;  // [pp][actions in order]
 
   int stages() const { return pp * chunks; }
@@ -72,6 +74,11 @@ struct Schedule {
 // with m < pp the pipeline never fills (the simulator reports the bubble).
 // Communication actions are included (insert_communication).
 Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks = 1);
+
+// Forwards only, for evaluation: the forwards in the order of 1F1B
+// (interleaved 1F1B with chunks > 1), each receive right before its forward and
+// each send right after; no activation is kept past its send.
+Schedule make_forward_schedule(int pp, int microbatches, int chunks = 1);
 
 // Adds, around the compute actions of `compute_order` (one list per rank),
 // the receive right before the action that needs it and the send right after
