@@ -2,12 +2,15 @@
 
 #include "split_backward.h"
 #include "tessera/parallel/pipeline_partition.h"
+#include "tessera/parallel/sharded_module.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <cmath>
 #include <limits>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -57,7 +60,24 @@ struct PipelineExecutor::Impl {
   std::vector<std::pair<comm::WorkPtr, at::Tensor>> sends;  // completed at the end of run()
   std::map<MessageKey, at::Tensor> mailbox;                 // messages to this rank's own stages
   double loss = 0;
+  double loss_scale = 1.0;
+  bool forward_only = false;
   c10::Device device = c10::Device(c10::kCPU);
+  // Note [ZeRO-3 under a pipeline]
+  // With sharded parameters (ZeRO-3, {P(k),..}) the executor gathers a
+  // stage's units around each of its actions (F, B, I, W) and frees them
+  // after, so a rank holds full parameters of one stage for the length of
+  // one action: per stage and micro-batch, as Megatron and PyTorch's
+  // pipelining do with FSDP. Gradient sync stays off during the schedule:
+  // the stage's full gradients accumulate locally over the micro-batches and
+  // are reduce-scattered once after it (Trainer: reduce_gradients()), so the
+  // gradient traffic equals ZeRO-2's and the extra traffic is the gathers,
+  // one per action that touches the parameters. The split backward's W
+  // gathers again: generic autograd nodes may read a weight to produce its
+  // own gradient. All data ranks of a stage run the same actions in the same
+  // order, so the gathers over the data group line up.
+  std::shared_ptr<ShardedModule> sharded;
+  std::map<int, std::vector<size_t>> stage_units;  // stage -> units of `sharded`
 };
 
 PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx,
@@ -66,6 +86,7 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
   group_ = options_.group() ? options_.group() : ctx->comm(context::ParallelMode::kPipeline);
   TORCH_CHECK(loss_ != nullptr, "pipeline: a loss function is needed");
   schedule_ = make_schedule(options_.schedule(), group_->size(), options_.microbatches(), options_.chunks());
+  forward_schedule_ = make_forward_schedule(group_->size(), options_.microbatches(), options_.chunks());
   const int stages = schedule_.stages();
   const int64_t n = static_cast<int64_t>(model->size());
   switch (options_.partition()) {
@@ -194,9 +215,31 @@ int message_tag(bool activation, int microbatch, int stage, int part, int stages
 
 }  // namespace
 
-double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets) {
+void PipelineExecutor::set_sharded(std::shared_ptr<ShardedModule> sharded) {
+  impl_->stage_units.clear();
+  impl_->sharded = std::move(sharded);
+  if (!impl_->sharded) return;
+  for (const auto& [stage, chunk] : chunks_) impl_->stage_units[stage] = impl_->sharded->units_holding(chunk->parameters());
+}
+
+double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets, double loss_scale) {
+  TORCH_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "pipeline: the loss scale must be positive and finite, got ",
+              loss_scale);
+  impl_->loss_scale = loss_scale;
+  impl_->forward_only = false;
+  return run_schedule(schedule_, inputs, targets);
+}
+
+double PipelineExecutor::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  at::NoGradGuard no_grad;
+  impl_->loss_scale = 1.0;
+  impl_->forward_only = true;
+  return run_schedule(forward_schedule_, inputs, targets);
+}
+
+double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor& inputs, const at::Tensor& targets) {
   Impl& st = *impl_;
-  const int m = options_.microbatches(), stages = schedule_.stages(), me = group_->rank();
+  const int m = options_.microbatches(), stages = schedule.stages(), me = group_->rank();
   auto split = [&](const at::Tensor& t, const char* what) {
     std::vector<at::Tensor> out;
     if (!t.defined()) return out;
@@ -213,7 +256,7 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
   st.loss = 0;
   stats_ = PipelineRunStats();
 
-  const auto& actions = schedule_.ranks[me];
+  const auto& actions = schedule.ranks[me];
   size_t i = 0;
   while (i < actions.size()) {
     if (actions[i].is_compute()) {
@@ -253,6 +296,7 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
           st.sends.emplace_back(group_->send(t, schedule_.rank_of(to), o), t);
         }
         if (!act) slot.input_grad = at::Tensor();
+        if (act && st.forward_only) st.slots.erase({a.microbatch, a.stage});  // nothing to keep for a backward
       } else {
         const int from = act ? a.stage - 1 : a.stage + 1;
         Pending p{a, {}, {}, nullptr};
@@ -291,7 +335,7 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
       Impl::Slot& slot = st.slots[{p.action.microbatch, p.action.stage}];
       if (act) {
         slot.input = p.payload.detach();
-        if (slot.input.is_floating_point()) slot.input.requires_grad_(true);
+        if (slot.input.is_floating_point() && !st.forward_only) slot.input.requires_grad_(true);
       } else {
         slot.grad_output = p.payload;
       }
@@ -306,7 +350,7 @@ double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets
   TORCH_INTERNAL_ASSERT(st.mailbox.empty(), "pipeline: ", st.mailbox.size(), " local messages never received");
   st.slots.clear();
 
-  if (tied_group_ && !tied_.empty()) {
+  if (tied_group_ && !tied_.empty() && !st.forward_only) {
     for (auto& p : tied_) {
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
       at::Tensor g = p.mutable_grad();
@@ -325,6 +369,8 @@ void PipelineExecutor::run_action(const Action& a) {
   const int last = schedule_.stages() - 1;
   Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
   const bool is_last = a.stage == last;
+  std::optional<ShardedModule::GatheredUnits> gathered;  // Note [ZeRO-3 under a pipeline]
+  if (st.sharded) gathered.emplace(*st.sharded, st.stage_units.at(a.stage));
   // The tensor the backward starts from and its gradient (none for the loss).
   auto roots = [&] {
     return std::make_pair(
@@ -338,6 +384,11 @@ void PipelineExecutor::run_action(const Action& a) {
       if (is_last) {
         out = loss_(out, st.targets[a.microbatch]) / options_.microbatches();
         st.loss += out.item<double>();
+        if (st.forward_only) {
+          st.slots.erase({a.microbatch, a.stage});
+          break;
+        }
+        if (st.loss_scale != 1.0) out = out * st.loss_scale;
       }
       slot.output = out;
       break;

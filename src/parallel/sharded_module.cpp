@@ -501,6 +501,42 @@ ShardedModule::FullParams::~FullParams() {
   for (size_t b = 0; b < owner_.state_->buckets.size(); ++b) owner_.state_->release(b);
 }
 
+ShardedModule::GatheredUnits::GatheredUnits(ShardedModule& owner, std::vector<size_t> units)
+    : owner_(owner), units_(std::move(units)) {
+  ShardState& s = *owner_.state_;
+  for (size_t u : units_) TORCH_INTERNAL_ASSERT(u < s.unit_buckets.size(), "GatheredUnits: no unit ", u);
+  for (size_t u : units_) s.gather_unit(u, false);
+  for (size_t u : units_) s.gather_unit(u, true);
+}
+
+ShardedModule::GatheredUnits::~GatheredUnits() {
+  for (size_t u : units_) owner_.state_->free_unit(u);
+}
+
+std::vector<size_t> ShardedModule::units_holding(const std::vector<at::Tensor>& params) const {
+  const ShardState& s = *state_;
+  std::map<const c10::TensorImpl*, size_t> unit_of;
+  for (size_t u = 0; u < s.unit_buckets.size(); ++u)
+    for (size_t b : s.unit_buckets[u])
+      for (const auto& slot : s.buckets[b]->slots()) unit_of.emplace(slot.param.unsafeGetTensorImpl(), u);
+  std::set<size_t> out;
+  for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
+    auto it = unit_of.find(p.unsafeGetTensorImpl());
+    if (it != unit_of.end()) {
+      out.insert(it->second);
+      continue;
+    }
+    // Buckets that are never materialized belong to no unit; their parameters are always whole.
+    bool held = false;
+    for (const auto& bucket : s.buckets)
+      for (const auto& slot : bucket->slots()) held = held || slot.param.is_same(p);
+    TORCH_CHECK(held, "ShardedModule::units_holding: a parameter of shape ", p.sizes(),
+                " is not one of this module's; pass the parameters of the module it wraps");
+  }
+  return {out.begin(), out.end()};
+}
+
 int64_t ShardedModule::peak_bytes() const { return state_->counter->peak; }
 void ShardedModule::reset_peak_bytes() { state_->counter->peak = state_->counter->current; }
 

@@ -105,9 +105,6 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               "Trainer: with pipeline stages, accumulate through "
               "pipeline micro-batches (PipelineOptions::microbatches), not accumulation (got ",
               options_.accumulation(), ")");
-  TORCH_CHECK(pp == 1 || !options_.loss_scaling(),
-              "Trainer: loss scaling with pipeline stages is not supported yet; train in bf16 (no scaling needed) or "
-              "without pipeline stages");
   if (pp > 1) {
     pipe_ = std::make_unique<parallel::PipelineExecutor>(model_.layers, ctx_, model_.loss, options_.pipeline());
     local_ = std::make_shared<torch::nn::Module>("Stages");
@@ -120,12 +117,18 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
                             .bucket_bytes(options_.bucket_bytes())
                             .placements(model_.placements)
                             .offload_params(false);
+  if (pipe_) {
+    // Each local layer is a unit; the executor gathers a stage's units
+    // around its actions (Note [ZeRO-3 under a pipeline]).
+    std::vector<std::string> units;
+    for (const auto& [name, layer] : pipe_->local_layers()) units.push_back(name);
+    module_options.units(units);
+  }
   sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options);
-  TORCH_CHECK(pp == 1 || sharded_->degrees().params == 1, "Trainer: sharded parameters (ZeRO-3, spec ",
-              options_.spec().to_string(),
-              ") are not supported with pipeline stages; shard gradients and "
-              "optimizer states only (zero2, {R,P(k),S})");
-  if (pp > 1) sharded_->set_gradient_sync(false);  // reduced once after the schedule
+  if (pipe_) {
+    sharded_->set_gradient_sync(false);  // reduced once after the schedule
+    if (sharded_->degrees().params > 1) pipe_->set_sharded(sharded_);
+  }
   gather_by_unit_ = !shares_parameters(model_.layers);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
@@ -150,10 +153,9 @@ Trainer::~Trainer() = default;
 double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& targets) {
   const double scale = scaler_ ? scaler_->current_scale() : 1.0;
   if (pipe_) {
-    TORCH_CHECK(!scaler_, "Trainer: loss scaling with pipeline stages is not supported yet");
     // The executor divides each micro-batch's loss by their number.
-    if (model_.set_aux_loss_scale) model_.set_aux_loss_scale(1.0 / options_.pipeline().microbatches());
-    const double loss = pipe_->run(inputs, targets);
+    if (model_.set_aux_loss_scale) model_.set_aux_loss_scale(scale / options_.pipeline().microbatches());
+    const double loss = pipe_->run(inputs, targets, scale);
     sharded_->reduce_gradients();
     return loss;
   }
@@ -214,12 +216,18 @@ StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& target
 }
 
 double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  // Eval mode: no dropout drawn (its random streams stay where training left
+  // them) and BatchNorm reads its running statistics without updating them.
+  const bool training = local_->is_training();
+  local_->eval();
+  struct Restore {
+    torch::nn::Module& module;
+    bool training;
+    ~Restore() { module.train(training); }
+  } restore{*local_, training};
   double local = 0;
   if (pipe_) {
-    // The executor has no forward-only schedule: run it, then drop the gradients.
-    optimizer_->zero_grad();
-    local = pipe_->run(inputs, targets);
-    optimizer_->zero_grad();
+    local = pipe_->evaluate(inputs, targets);
   } else {
     at::NoGradGuard no_grad;
     at::Tensor out = sharded_->run([&] { return model_.layers->forward(inputs); });

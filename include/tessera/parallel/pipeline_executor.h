@@ -4,7 +4,8 @@
 // runs the schedule's actions for a batch cut into micro-batches, exchanges
 // activations and gradients with its neighbours (shapes and dtypes agreed at
 // run time), and leaves the batch's gradients in the local parameters' .grad
-// for the caller's optimizer. See docs/pipeline.md.
+// for the caller's optimizer. evaluate() runs a forward-only schedule. See
+// docs/pipeline.md.
 //
 // Note [Pipeline loss and tied weights]
 // The last stage divides each micro-batch's loss by the number of
@@ -71,6 +72,8 @@ using PipelineLossFn = std::function<at::Tensor(const at::Tensor&, const at::Ten
 // `sample` (the best of `repeats`); the layers' gradients are cleared after.
 std::vector<double> measure_layer_seconds(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3);
 
+class ShardedModule;
+
 class PipelineExecutor {
  public:
   // Collective over the pipeline group. `model` must be built alike on every
@@ -83,7 +86,19 @@ class PipelineExecutor {
   // dim 0; `inputs` matter on the first stage, `targets` on the last, other
   // ranks may pass them too). Gradients accumulate into the local
   // parameters' .grad. Returns the batch's mean loss on every pipeline rank.
-  double run(const at::Tensor& inputs, const at::Tensor& targets);
+  // The last stage multiplies each micro-batch's loss by `loss_scale`
+  // before its backward (dynamic loss scaling): every gradient, those sent
+  // between stages included, is scaled by it; the returned loss is not.
+  double run(const at::Tensor& inputs, const at::Tensor& targets, double loss_scale = 1.0);
+  // The batch's mean loss by a forward-only schedule (make_forward_schedule):
+  // no autograd graph, no backward, no gradient message; gradients are left
+  // as they are. Collective over the pipeline group.
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
+  // Each action of a stage then runs with the stage's units of `sharded`
+  // (the ShardedModule wrapping this rank's layers) gathered, and frees
+  // them after: ZeRO-3 under a pipeline (Note [ZeRO-3 under a pipeline] in
+  // pipeline_executor.cpp). Null: parameters are whole (the default).
+  void set_sharded(std::shared_ptr<ShardedModule> sharded);
 
   // The parameters of this rank's stages, each once: give them to the optimizer.
   std::vector<at::Tensor> parameters() const;
@@ -97,6 +112,7 @@ class PipelineExecutor {
   // The layers of this rank's stages, with the model's names ("h3", ...).
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> local_layers() const;
   const Schedule& schedule() const { return schedule_; }
+  const Schedule& forward_schedule() const { return forward_schedule_; }
   // Stage s holds layers [bounds[s], bounds[s + 1]).
   const std::vector<int64_t>& stage_bounds() const { return bounds_; }
   const comm::CommunicatorPtr& group() const { return group_; }
@@ -104,6 +120,7 @@ class PipelineExecutor {
 
  private:
   struct Impl;
+  double run_schedule(const Schedule& schedule, const at::Tensor& inputs, const at::Tensor& targets);
   void run_action(const Action& a);
 
   PipelineOptions options_;
@@ -111,6 +128,7 @@ class PipelineExecutor {
   comm::CommunicatorPtr tied_group_;  // first and last stage ranks, when they differ
   PipelineLossFn loss_;
   Schedule schedule_;
+  Schedule forward_schedule_;
   std::vector<int64_t> bounds_;
   std::map<int, torch::nn::Sequential> chunks_;  // stage -> its layers, for this rank's stages
   std::vector<at::Tensor> tied_;                 // parameters shared by the first and the last stage

@@ -183,6 +183,28 @@ class ShardedModule {
   };
   std::unique_ptr<FullParams> full_params() { return std::make_unique<FullParams>(*this); }
 
+  // RAII: `units` gathered while it lives and released after (the root
+  // unit's parameters stay: Note [Units and gathering]), whether gradient
+  // sync is on or not. For callers that run a unit's forward and backward
+  // themselves instead of through run_unit: a pipeline stage's actions
+  // (Note [ZeRO-3 under a pipeline] in pipeline_executor.cpp). Collective
+  // over the group, like run_unit.
+  class GatheredUnits {
+   public:
+    GatheredUnits(ShardedModule& owner, std::vector<size_t> units);
+    ~GatheredUnits();
+    GatheredUnits(const GatheredUnits&) = delete;
+    GatheredUnits& operator=(const GatheredUnits&) = delete;
+
+   private:
+    ShardedModule& owner_;
+    std::vector<size_t> units_;
+  };
+  // The units (the root unit included) that hold `params`; parameters that
+  // do not require grad are held by none. A trained parameter that is not
+  // this module's is an error.
+  std::vector<size_t> units_holding(const std::vector<at::Tensor>& params) const;
+
   // Buckets, in reduction order.
   size_t num_buckets() const;
   const FlatBucket& bucket(size_t i) const;

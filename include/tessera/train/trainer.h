@@ -117,6 +117,8 @@ class Trainer {
   parallel::ModelStateBytes memory() const { return optimizer_->memory(); }
   const context::ParallelContextPtr& context() const { return ctx_; }
   bool pipelined() const { return pipe_ != nullptr; }
+  // The pipeline executor, or null without pipeline stages.
+  const parallel::PipelineExecutor* pipeline() const { return pipe_.get(); }
 
  private:
   double forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
