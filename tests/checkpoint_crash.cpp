@@ -2,7 +2,10 @@
 // checkpoint_atomicity.sh:
 //   checkpoint_crash save DIR    writes DIR (values of version 1)
 //   checkpoint_crash crash DIR   starts writing DIR; rank 1 dies once its file is in place
+//   checkpoint_crash crash-replace DIR   rewrites DIR; rank 0 dies between moving DIR
+//                                        to DIR.old and moving the new one in
 //   checkpoint_crash check OLD NEW   OLD loads with version-1 values; NEW is refused
+//   checkpoint_crash check-replaced DIR   DIR is refused, naming DIR.old
 // Exit status 0 when the mode did what it says.
 #include "tessera/comm/factory.h"
 #include "tessera/comm/mpi_runtime.h"
@@ -38,8 +41,13 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 2 ? argv[1] : "";
   const int rank = world->rank();
   try {
-    if (mode == "save" || mode == "crash") {
+    if (mode == "save" || mode == "crash" || mode == "crash-replace") {
       tessera::train::CheckpointOptions options;
+      if (mode == "crash-replace")
+        options.before_move_in([] {
+          fmt::print(stderr, "rank 0: the old checkpoint is moved away, dying before the new one moves in\n");
+          std::_Exit(9);
+        });
       if (mode == "crash")
         options.after_file([rank](const std::string& file) {
           if (rank == 1) {
@@ -65,7 +73,20 @@ int main(int argc, char** argv) {
       fmt::print("rank {}: the partial checkpoint was accepted\n", rank);
       return 1;
     }
-    fmt::print(stderr, "usage: checkpoint_crash save|crash DIR | check OLD NEW\n");
+    if (mode == "check-replaced") {
+      try {
+        tessera::train::CheckpointReader replaced(argv[2]);
+      } catch (const c10::Error& e) {
+        fmt::print("rank {}: the replaced checkpoint is refused: {}\n", rank, e.msg());
+        return e.msg().find("was replacing it") != std::string::npos &&
+                       e.msg().find(std::string(argv[2]) + ".old") != std::string::npos
+                   ? 0
+                   : 1;
+      }
+      fmt::print("rank {}: the replaced checkpoint was accepted\n", rank);
+      return 1;
+    }
+    fmt::print(stderr, "usage: checkpoint_crash save|crash|crash-replace DIR | check OLD NEW | check-replaced DIR\n");
     return 2;
   } catch (const c10::Error& e) {
     fmt::print(stderr, "rank {}: {}\n", rank, e.msg());

@@ -69,8 +69,12 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
   }
   const std::string partial = dir + ".partial";
   const int rank = world->rank();
+  const std::string old = dir + ".old";
   if (rank == 0) {
     std::error_code ec;
+    // A save killed between its two renames (Note [Atomic checkpoints]):
+    // the previous checkpoint goes back to DIR before this save replaces it.
+    if (!fs::exists(dir) && fs::is_directory(old)) fs::rename(old, dir);
     fs::remove_all(partial, ec);
     fs::create_directories(partial, ec);
   }
@@ -151,9 +155,9 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
                   {"metadata", metadata},           {"files", files}, {"tensors", tensors}};
     write_text(partial + "/index.json", index.dump(1));
     std::error_code ec;
-    const std::string old = dir + ".old";
     fs::remove_all(old, ec);
     if (fs::exists(dir)) fs::rename(dir, old);
+    if (options.before_move_in()) options.before_move_in()();
     fs::rename(partial, dir);
     fs::remove_all(old, ec);
   }
@@ -167,6 +171,13 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
               " is a save that did not finish (a '.partial' directory); load an "
               "earlier checkpoint");
   if (!fs::is_directory(dir_)) {
+    TORCH_CHECK(!fs::is_directory(dir_ + ".old"), "checkpoint ", dir_, " is missing: a save was replacing it when it ",
+                "stopped. The previous checkpoint is in ", dir_, ".old",
+                fs::exists(dir_ + ".partial/index.json")
+                    ? " and the new one, written in full, in " + dir_ + ".partial"
+                    : std::string(" (the new one did not finish)"),
+                ". Rename the one to load to ", dir_, ", or save into ", dir_,
+                " again: a save puts the previous checkpoint back first");
     TORCH_CHECK(!fs::is_directory(dir_ + ".partial"), "checkpoint ", dir_, " is incomplete: only ", dir_,
                 ".partial exists (a save that did not finish); load an earlier checkpoint");
     TORCH_CHECK(false, "checkpoint ", dir_, " does not exist");

@@ -20,11 +20,16 @@
 // Note [Atomic checkpoints]
 // save_checkpoint writes into DIR.partial; each file goes to a temporary
 // name first and is renamed when complete; after every rank's file is in
-// place rank 0 writes index.json (also through a rename), then renames
-// DIR.partial to DIR. A save killed at any point leaves DIR absent or
-// complete; the reader refuses a directory without an index, a ".partial"
-// one, and files whose sizes differ from the index, with a message that
-// says so.
+// place rank 0 writes index.json (also through a rename), then replaces DIR
+// in two renames: an existing DIR to DIR.old, DIR.partial to DIR, and
+// removes DIR.old. A save killed at any point leaves DIR complete (the old
+// or the new one), or absent with the previous checkpoint in DIR.old when
+// killed between the two renames. The reader refuses a directory without
+// an index, a ".partial" one, files whose sizes differ from the index, and
+// a DIR missing beside a DIR.old (naming both, and what to do), with a
+// message that says so; it never loads another directory than the one it
+// was given. The next save into DIR renames DIR.old back first, so the
+// previous checkpoint is not lost if that save is killed too.
 #include "tessera/comm/communicator.h"
 #include "tessera/train/safetensors.h"
 
@@ -54,6 +59,9 @@ struct CheckpointOptions {
   // Called on each rank once its file is in place, before the index is
   // written (tests stop a rank there to check atomicity).
   TORCH_ARG(std::function<void(const std::string& file)>, after_file) = nullptr;
+  // Called on rank 0 between moving the previous DIR to DIR.old and moving
+  // DIR.partial to DIR (tests stop rank 0 there).
+  TORCH_ARG(std::function<void()>, before_move_in) = nullptr;
 
  public:
   CheckpointOptions() = default;
