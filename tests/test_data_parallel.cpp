@@ -24,7 +24,7 @@ using parallel::ShardedOptimizerOptions;
 using parallel::ShardingSpec;
 
 constexpr double kRelTolerance = 1e-5;  // fp32, relative to the norm of the serial tensor
-constexpr int64_t kGlobalBatch = 16;    // divides every data size tested (1, 2, 4, 8)
+constexpr int64_t kGlobalBatch = 48;  // every data size tested (1, 2, 3, 4, 8) divides it, twice at 8
 constexpr int kSteps = 10;
 
 // TESSERA_TEST_DEVICE=cuda runs this file's tests on the GPU (ranks may share
@@ -147,6 +147,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 // that accumulate without gradient communication until the last.
 double parallel_step(Net net, ShardedModule& sharded, ShardedOptimizer& opt, int step, int micro = 1) {
   const auto& group = sharded.group();
+  TORCH_CHECK(kGlobalBatch % (group->size() * micro) == 0, "the test's batch does not split over the ranks");
   const int64_t rows = kGlobalBatch / group->size();
   at::Tensor x = inputs(net, step).narrow(0, group->rank() * rows, rows);
   at::Tensor y = targets(step).narrow(0, group->rank() * rows, rows);

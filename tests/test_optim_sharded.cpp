@@ -24,7 +24,7 @@ using parallel::ShardedOptimizerOptions;
 using parallel::ShardingSpec;
 
 constexpr double kTolerance = 1e-5;
-constexpr int64_t kBatch = 16;
+constexpr int64_t kBatch = 24;  // every data size tested (1, 2, 3, 4, 8) divides it
 constexpr int kSteps = 5;
 
 enum class Which { kLamb, kLars, kClippedSGD };
@@ -116,6 +116,7 @@ void expect_matches_serial(int tp, const std::string& spec, Which which) {
   auto tp_norms = std::make_shared<parallel::PlacementNorms>(f->placements(*m));
   ShardedOptimizer opt(sharded, make_optimizer(which, m->parameters()),
                        ShardedOptimizerOptions().whole_norms(tp_norms));
+  ASSERT_EQ(kBatch % data->size(), 0) << "the test's batch does not split over the data ranks";
   const int64_t rows = kBatch / data->size();
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
