@@ -3,6 +3,7 @@
 // written here (an MLP with its own forward and a Sequential conv net): ten
 // AdamW steps, model-state memory against the formula, bytes moved against
 // the analytical volume, micro-batch accumulation, offload, bad specs.
+#include "counting_allocator.h"
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
@@ -205,8 +206,9 @@ TEST_P(DataParallelSpecs, TenAdamWStepsEqualSingleProcess) {
 
 // Model-state bytes alive after a step (counted from live storages) equal
 // 4Ψ/s_p + 4Ψ/s_g + 8Ψ/s_os for fp32 AdamW, up to the padding of each
-// bucket to a multiple of the largest degree: at most (largest degree) fp32
-// elements per bucket in each of the 4 states, no other buffer left behind.
+// bucket to a multiple of the largest degree (the bytes it adds, not a
+// bound per bucket), no other buffer left behind. The counting allocator below measures the same without the
+// buckets' bookkeeping.
 TEST_P(DataParallelSpecs, ModelStateMemoryEqualsTheFormula) {
   const Case c = GetParam();
   auto model = make_net(c.net);
@@ -219,11 +221,61 @@ TEST_P(DataParallelSpecs, ModelStateMemoryEqualsTheFormula) {
   const auto d = sharded->degrees();
   const auto m = opt.memory();
   const double formula = 4.0 * psi / d.params + 4.0 * psi / d.grads + 8.0 * psi / d.optim;
-  const double slack = 4.0 * 4 * sharded->layout().max_degree() * static_cast<double>(sharded->num_buckets());
-  EXPECT_LE(std::abs(m.total() - formula), slack)
+  double padding = 0;  // fp32 bytes of padding over all buckets
+  for (size_t b = 0; b < sharded->num_buckets(); ++b)
+    padding += 4.0 * static_cast<double>(sharded->bucket(b).numel() - sharded->bucket(b).used());
+  // Parameters and gradients hold it in their flat buffers; a rank's chunk
+  // of the two AdamW states covers up to that much less or more than Ψ/s_os.
+  EXPECT_LE(std::abs(m.total() - formula), padding * 4)
       << "params " << m.params << " grads " << m.grads << " optim " << m.optim << " formula " << formula;
-  EXPECT_LE(std::abs(m.params - 4.0 * psi / d.params), 4.0 * sharded->layout().max_degree() * sharded->num_buckets());
-  EXPECT_LE(std::abs(m.grads - 4.0 * psi / d.grads), 4.0 * sharded->layout().max_degree() * sharded->num_buckets());
+  EXPECT_LE(std::abs(m.params - 4.0 * psi / d.params), padding);
+  EXPECT_LE(std::abs(m.grads - 4.0 * psi / d.grads), padding);
+}
+
+// The same measured where memory is allocated: the live bytes of CPU
+// storage this rank holds after a step (the model, the wrapper, the
+// optimizer and whatever they keep), counted by an allocator wrapped around
+// LibTorch's, equal each bucket's parameter, gradient and AdamW state bytes
+// at its degrees with the bucket's own padding, exactly. A full copy left
+// gathered, a gradient buffer not released, a staging buffer kept, or a
+// state unsharded shows up as a difference.
+TEST_P(DataParallelSpecs, ModelStateBytesCountedAtTheAllocatorEqualTheFormula) {
+  const Case c = GetParam();
+  if (test_device().is_cuda()) GTEST_SKIP() << "counts CPU allocations";
+  auto ctx = data_context();
+  test::CountingScope scope;
+  auto& counter = test::CountingAllocator::instance();
+  const int64_t base = counter.live();
+  const uint64_t mark = counter.mark();
+  {
+    auto model = make_net(c.net);
+    auto sharded = std::make_shared<ShardedModule>(
+        model, ctx, ShardedModuleOptions().bucket_bytes(256).spec(ShardingSpec::parse(c.spec)));
+    ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(model->parameters(), adamw()));
+    parallel_step(c.net, *sharded, opt, 0);
+    parallel_step(c.net, *sharded, opt, 1);
+    const auto d = sharded->degrees();
+    int64_t expected = 0;
+    for (size_t b = 0; b < sharded->num_buckets(); ++b) {
+      // Flat parameter and gradient buffers hold the padding; AdamW's two
+      // states exist for the parameters' elements in this rank's chunk only.
+      const auto& bucket = sharded->bucket(b);
+      const int64_t n = bucket.numel(), e = bucket.element_size();
+      const int64_t begin = bucket.layout().chunk_offset(n, d.optim), length = n / d.optim;
+      const int64_t used = std::max<int64_t>(0, std::min(bucket.used(), begin + length) - begin);
+      expected += e * (n / d.params + n / d.grads + 2 * used);
+    }
+    for (const auto& buffer : model->buffers()) expected += buffer.numel() * buffer.element_size();
+    // The whole-norm tables of the optimizer's pieces (sharded_optimizer.cpp):
+    // a replica count and a mask for its one reduction group, a double each per parameter.
+    const int64_t norm_tables = 2 * 8 * static_cast<int64_t>(model->parameters().size());
+    const int64_t live = counter.live() - base;
+    EXPECT_EQ(live, expected + norm_tables) << "bytes live after two steps; the bookkeeping says "
+                                            << opt.memory().total()
+                                            << "; live blocks (bytes x count): " << counter.live_since(mark);
+    EXPECT_EQ(opt.memory().total(), expected) << "the buckets' bookkeeping";
+  }
+  EXPECT_EQ(counter.live(), base) << "bytes left after the model, the wrapper and the optimizer are gone";
 }
 
 // Bus bytes per rank of one step, from the tracing decorator, equal the

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 
 namespace tessera {
 namespace test {
@@ -47,12 +48,29 @@ class CountingAllocator : public c10::Allocator {
     largest_ = 0;
   }
   c10::Allocator* base() const { return base_; }
+  // Allocations made so far: a mark for live_since().
+  uint64_t mark() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return next_;
+  }
+  // "bytes x count, ..." of the blocks allocated after `mark` and still live:
+  // what a test that expected nothing there finds.
+  std::string live_since(uint64_t mark) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::map<int64_t, int> sizes;
+    for (const auto& [data, block] : blocks_)
+      if (block.order >= mark) ++sizes[block.bytes];
+    std::string out;
+    for (const auto& [bytes, n] : sizes) out += (out.empty() ? "" : ", ") + std::to_string(bytes) + " x " + std::to_string(n);
+    return out.empty() ? "none" : out;
+  }
 
  private:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
   struct Block {
     c10::DataPtr inner;
     int64_t bytes;
+    uint64_t order;
   };
   static void release(void* data) {
     if (data == nullptr) return;
@@ -74,13 +92,14 @@ class CountingAllocator : public c10::Allocator {
     live_ += static_cast<int64_t>(n);
     peak_ = std::max(peak_, live_);
     largest_ = std::max(largest_, static_cast<int64_t>(n));
-    blocks_[data] = Block{std::move(inner), static_cast<int64_t>(n)};
+    blocks_[data] = Block{std::move(inner), static_cast<int64_t>(n), next_++};
     return {data, data, &release, device};
   }
   c10::Allocator* base_;
   mutable std::mutex mutex_;
   mutable std::map<void*, Block> blocks_;
   mutable int64_t live_ = 0, peak_ = 0, largest_ = 0;
+  mutable uint64_t next_ = 0;
 };
 
 // Installs the counter as the CPU allocator while it lives.
