@@ -71,8 +71,6 @@ TEST(Refusals, PipelineOptionsTheTrainerCannotCarryOut) {
   m.layers = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
   EXPECT_ERROR_CONTAINS((train::Trainer(ctx, m, adamw, train::TrainerOptions().accumulation(2))),
                         "accumulate through pipeline micro-batches", "got 2");
-  EXPECT_ERROR_CONTAINS((train::Trainer(ctx, m, adamw, train::TrainerOptions().loss_scaling(true))),
-                        "loss scaling with pipeline stages is not supported yet");
 }
 
 TEST(Refusals, AnOptimizerCheckpointsCannotSaveIsRefused) {
