@@ -190,12 +190,14 @@ void expect_matches_serial(Net net, const std::string& spec, ShardedModuleOption
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.spec << (c.net == Net::kMLP ? " mlp" : " conv"); }
 
-// A spec whose sub-groups do not divide the data size is skipped (test::spec_fits); at data size 1 the rest are the serial run.
+// A spec whose sub-groups do not divide the data size is skipped
+// (test::spec_fits); at data size 1 the rest are the serial run.
 class DataParallelSpecs : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     const int dp = test::world()->size();
-    if (!test::spec_fits(GetParam().spec, dp)) GTEST_SKIP() << GetParam().spec << " has a sub-group that does not divide " << dp;
+    if (!test::spec_fits(GetParam().spec, dp))
+      GTEST_SKIP() << GetParam().spec << " has a sub-group that does not divide " << dp;
   }
 };
 

@@ -59,7 +59,8 @@ class GPTParallel : public ::testing::TestWithParam<bool> {};
 TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
   auto tp = test::world();
   const bool sp = GetParam();
-  if (tiny().heads % tp->size() != 0) GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
+  if (tiny().heads % tp->size() != 0)
+    GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
   const auto full = initial_weights(tiny(), 0);
   test::ReferenceGPT serial(test::reference_config(tiny()));
   serial->load_full_state(full);
@@ -108,7 +109,8 @@ INSTANTIATE_TEST_SUITE_P(Variants, GPTParallel, ::testing::Values(false, true),
 
 TEST(GPTUntied, SeparateHeadMatchesSerial) {
   auto tp = test::world();
-  if (tiny().heads % tp->size() != 0) GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
+  if (tiny().heads % tp->size() != 0)
+    GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
   models::GPTConfig c = tiny();
   c.tied = false;
   const auto full = initial_weights(c, 1);

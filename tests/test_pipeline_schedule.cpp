@@ -93,7 +93,8 @@ TEST(PipelineSchedule, ZeroBubbleSchedulesMatchThePublishedClosedForms) {
       }
       if (m >= 2 * p - 1) {
         EXPECT_NEAR(h2.bubble, (p - 1.0) / (3.0 * m + p - 1), kExact) << "p " << p << " m " << m;
-        for (int r = 0; r < p; ++r) EXPECT_NEAR(h2.idle_within[r], 0.0, kExact) << "p " << p << " m " << m << " r " << r;
+        for (int r = 0; r < p; ++r)
+          EXPECT_NEAR(h2.idle_within[r], 0.0, kExact) << "p " << p << " m " << m << " r " << r;
       }
       EXPECT_LE(h2.bubble, h1.bubble + kExact) << "p " << p << " m " << m;
       for (int r = 0; r < p; ++r) {

@@ -219,7 +219,8 @@ void PipelineExecutor::set_sharded(std::shared_ptr<ShardedModule> sharded) {
   impl_->stage_units.clear();
   impl_->sharded = std::move(sharded);
   if (!impl_->sharded) return;
-  for (const auto& [stage, chunk] : chunks_) impl_->stage_units[stage] = impl_->sharded->units_holding(chunk->parameters());
+  for (const auto& [stage, chunk] : chunks_)
+    impl_->stage_units[stage] = impl_->sharded->units_holding(chunk->parameters());
 }
 
 double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets, double loss_scale) {

@@ -142,7 +142,8 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               "Trainer: the optimizer is none of AdamW, Adam, SGD, LAMB, LARS, whose states checkpoints can save; "
               "use one of those");
   auto opt_options = parallel::ShardedOptimizerOptions().offload(options_.offload());
-  if (!model_.placements.empty()) opt_options.whole_norms(std::make_shared<parallel::PlacementNorms>(model_.placements));
+  if (!model_.placements.empty())
+    opt_options.whole_norms(std::make_shared<parallel::PlacementNorms>(model_.placements));
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(sharded_, inner, opt_options);
   if (options_.loss_scaling()) scaler_.emplace(ctx_->world(), options_.scaler());
   placements_ = model_.placements.empty() ? named_placements(*model_.layers) : model_.placements;

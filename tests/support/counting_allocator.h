@@ -61,7 +61,8 @@ class CountingAllocator : public c10::Allocator {
     for (const auto& [data, block] : blocks_)
       if (block.order >= mark) ++sizes[block.bytes];
     std::string out;
-    for (const auto& [bytes, n] : sizes) out += (out.empty() ? "" : ", ") + std::to_string(bytes) + " x " + std::to_string(n);
+    for (const auto& [bytes, n] : sizes)
+      out += (out.empty() ? "" : ", ") + std::to_string(bytes) + " x " + std::to_string(n);
     return out.empty() ? "none" : out;
   }
 
