@@ -515,24 +515,22 @@ ShardedModule::GatheredUnits::~GatheredUnits() {
 
 std::vector<size_t> ShardedModule::units_holding(const std::vector<at::Tensor>& params) const {
   const ShardState& s = *state_;
+  // Every bucket's parameters; those of buckets that are never materialized
+  // (always whole) belong to no unit.
+  constexpr size_t kNoUnit = static_cast<size_t>(-1);
   std::map<const c10::TensorImpl*, size_t> unit_of;
+  for (const auto& bucket : s.buckets)
+    for (const auto& slot : bucket->slots()) unit_of.emplace(slot.param.unsafeGetTensorImpl(), kNoUnit);
   for (size_t u = 0; u < s.unit_buckets.size(); ++u)
     for (size_t b : s.unit_buckets[u])
-      for (const auto& slot : s.buckets[b]->slots()) unit_of.emplace(slot.param.unsafeGetTensorImpl(), u);
+      for (const auto& slot : s.buckets[b]->slots()) unit_of[slot.param.unsafeGetTensorImpl()] = u;
   std::set<size_t> out;
   for (const auto& p : params) {
     if (!p.requires_grad()) continue;
     auto it = unit_of.find(p.unsafeGetTensorImpl());
-    if (it != unit_of.end()) {
-      out.insert(it->second);
-      continue;
-    }
-    // Buckets that are never materialized belong to no unit; their parameters are always whole.
-    bool held = false;
-    for (const auto& bucket : s.buckets)
-      for (const auto& slot : bucket->slots()) held = held || slot.param.is_same(p);
-    TORCH_CHECK(held, "ShardedModule::units_holding: a parameter of shape ", p.sizes(),
+    TORCH_CHECK(it != unit_of.end(), "ShardedModule::units_holding: a parameter of shape ", p.sizes(),
                 " is not one of this module's; pass the parameters of the module it wraps");
+    if (it->second != kNoUnit) out.insert(it->second);
   }
   return {out.begin(), out.end()};
 }
