@@ -87,9 +87,10 @@ std::vector<std::string> exercise(Communicator& c, c10::ScalarType dtype) {
   expect("all_to_all", received, at::arange(n, at::kDouble) * 10 + r);
   if (n > 1) {
     at::Tensor in = at::empty({3}, opts);
-    auto recv = c.recv(in, (r + n - 1) % n, {0, true});
-    c.send(at::full({3}, double(r), opts), (r + 1) % n);
-    recv->wait();
+    // One batch: a ring of unbatched sends would block on NCCL.
+    c.batch_isend_irecv({{tessera::comm::P2POp::Kind::kRecv, in, (r + n - 1) % n},
+                         {tessera::comm::P2POp::Kind::kSend, at::full({3}, double(r), opts), (r + 1) % n}})
+        ->wait();
     expect("send/recv", in, at::full({3}, double((r + n - 1) % n)));
   }
   c.barrier();

@@ -197,8 +197,8 @@ TEST_P(Collectives, SendRecvRing) {
   at::Tensor out = make(contribution(rank_, 8));
   at::Tensor in = at::empty({8}, options());
   // Receive posted asynchronously first so the blocking variant cannot deadlock.
-  auto r = comm_->recv(in, prev, {7, true});
-  auto s = comm_->send(out, next, {7, GetParam().async});
+  auto r = comm_->recv(in, prev, {true});
+  auto s = comm_->send(out, next, {GetParam().async});
   finish(s);
   finish(r);
   expect_equal(in, contribution(prev, 8));

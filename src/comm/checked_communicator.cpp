@@ -77,9 +77,15 @@ struct CheckedCommunicator::Call {
   }
 };
 
-CheckedCommunicator::CheckedCommunicator(CommunicatorPtr inner, c10::Device check_device)
-    : inner_(std::move(inner)), check_device_(check_device) {
+CheckedCommunicator::CheckedCommunicator(CommunicatorPtr inner) : inner_(std::move(inner)) {
   TORCH_CHECK(inner_ != nullptr, "CheckedCommunicator needs a communicator to wrap");
+  channel_ = inner_->control();
+  if (channel_ != inner_) control_ = std::make_shared<CheckedCommunicator>(channel_);
+}
+
+CommunicatorPtr CheckedCommunicator::control() {
+  if (control_) return control_;
+  return shared_from_this();
 }
 
 // Note [Checked argument errors]
@@ -102,11 +108,10 @@ void CheckedCommunicator::check_collective(Call call, const std::function<void()
   std::vector<int64_t> mine = call.encode();
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(mine.size()) == kFixedFields + splits);
   auto options = at::TensorOptions().dtype(at::kLong);
-  at::Tensor local = at::tensor(mine, options).to(check_device_);
-  at::Tensor all = at::empty({n * static_cast<int64_t>(mine.size())}, options.device(check_device_));
-  inner_->all_gather(all, local)->wait();
-  at::Tensor host = all.to(at::kCPU);
-  const int64_t* data = host.data_ptr<int64_t>();
+  at::Tensor local = at::tensor(mine, options);
+  at::Tensor all = at::empty({n * static_cast<int64_t>(mine.size())}, options);
+  channel_->all_gather(all, local)->wait();
+  const int64_t* data = all.data_ptr<int64_t>();
   std::vector<Call> calls;
   for (int r = 0; r < n; ++r) calls.push_back(Call::decode(data + r * mine.size(), splits));
 
@@ -230,62 +235,77 @@ WorkPtr CheckedCommunicator::all_to_all(at::Tensor& output, const at::Tensor& in
 namespace {
 
 // Note [Checked point-to-point]
-// The descriptor travels ahead of the payload on the same tag; MPI and NCCL
-// keep the order of messages between one pair of ranks, so the receiver's
-// first posted receive gets it. Both sides post the descriptor and the payload
-// without blocking, so an asynchronous recv stays asynchronous (a ring of
-// "recv async, then send" must not deadlock); the receiver checks the
-// descriptor in wait(), before it waits for the payload.
+// Each send's descriptor travels on the control channel while the payload
+// travels on the device channel; both keep the order of messages between one
+// pair of ranks, so the receiver's descriptors pair with its payloads. Both
+// sides post descriptors and payloads without blocking, so an asynchronous
+// recv stays asynchronous (a ring of "recv async, then send" must not
+// deadlock); the receiver checks the descriptors in wait(), before it waits
+// for the payloads.
 class CheckedP2PWork : public Work {
  public:
-  CheckedP2PWork(WorkPtr descriptor, WorkPtr payload, std::function<void()> check)
-      : descriptor_(std::move(descriptor)), payload_(std::move(payload)), check_(std::move(check)) {}
+  CheckedP2PWork(WorkPtr descriptors, WorkPtr payloads, std::function<void()> check)
+      : descriptors_(std::move(descriptors)), payloads_(std::move(payloads)), check_(std::move(check)) {}
 
   void wait() override {
-    descriptor_->wait();
+    descriptors_->wait();
     if (check_) {
       auto check = std::move(check_);
       check_ = nullptr;
       check();
     }
-    payload_->wait();
+    payloads_->wait();
   }
 
-  bool is_completed() override { return descriptor_->is_completed() && !check_ && payload_->is_completed(); }
+  bool is_completed() override { return descriptors_->is_completed() && !check_ && payloads_->is_completed(); }
 
  private:
-  WorkPtr descriptor_;
-  WorkPtr payload_;
+  WorkPtr descriptors_;
+  WorkPtr payloads_;
   std::function<void()> check_;
 };
 
 }  // namespace
 
 WorkPtr CheckedCommunicator::send(const at::Tensor& tensor, int dst, const SendOptions& options) {
-  Call call{OpType::kSend, tensor.scalar_type(), -1, -1, tensor.numel(), tensor.numel(), shape_of(tensor), {}};
-  at::Tensor desc = at::tensor(call.encode(), at::TensorOptions().dtype(at::kLong)).to(check_device_);
-  WorkPtr sent = inner_->send(desc, dst, SendOptions{options.tag, true});
-  auto work =
-      std::make_shared<CheckedP2PWork>(sent, inner_->send(tensor, dst, SendOptions{options.tag, true}), nullptr);
+  auto work = batch_isend_irecv({{P2POp::Kind::kSend, tensor, dst}});
   if (!options.async) work->wait();
   return work;
 }
 
 WorkPtr CheckedCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
-  at::Tensor desc = at::empty({kFixedFields}, at::TensorOptions().dtype(at::kLong).device(check_device_));
-  WorkPtr described = inner_->recv(desc, src, RecvOptions{options.tag, true});
-  WorkPtr payload = inner_->recv(tensor, src, RecvOptions{options.tag, true});
-  auto check = [this, desc, src, dtype = tensor.scalar_type(), numel = tensor.numel(), shape = shape_of(tensor)] {
-    at::Tensor host = desc.to(at::kCPU);
-    Call theirs = Call::decode(host.data_ptr<int64_t>(), 0);
-    TORCH_CHECK(theirs.op == OpType::kSend && theirs.dtype == dtype && theirs.input_numel == numel,
-                "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(),
-                " to rank ", rank(), ", which calls recv(", dtype_name(dtype), ", shape ", join_list(shape),
-                ") from it");
-  };
-  auto work = std::make_shared<CheckedP2PWork>(described, payload, check);
+  auto work = batch_isend_irecv({{P2POp::Kind::kRecv, tensor, src}});
   if (!options.async) work->wait();
   return work;
+}
+
+WorkPtr CheckedCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  std::vector<P2POp> descriptors;
+  std::vector<std::function<void()>> checks;
+  for (const auto& o : ops) {
+    if (o.kind == P2POp::Kind::kSend) {
+      const Call call{OpType::kSend, o.tensor.scalar_type(), -1, -1, o.tensor.numel(), o.tensor.numel(),
+                      shape_of(o.tensor), {}};
+      descriptors.push_back({P2POp::Kind::kSend, at::tensor(call.encode(), at::TensorOptions().dtype(at::kLong)),
+                             o.peer});
+      continue;
+    }
+    at::Tensor desc = at::empty({kFixedFields}, at::TensorOptions().dtype(at::kLong));
+    descriptors.push_back({P2POp::Kind::kRecv, desc, o.peer});
+    checks.push_back([this, desc, src = o.peer, dtype = o.tensor.scalar_type(), numel = o.tensor.numel(),
+                      shape = shape_of(o.tensor)] {
+      Call theirs = Call::decode(desc.data_ptr<int64_t>(), 0);
+      TORCH_CHECK(theirs.op == OpType::kSend && theirs.dtype == dtype && theirs.input_numel == numel,
+                  "point-to-point mismatch on communicator '", name(), "': rank ", src, " calls ", theirs.describe(),
+                  " to rank ", rank(), ", which calls recv(", dtype_name(dtype), ", shape ", join_list(shape),
+                  ") from it");
+    });
+  }
+  WorkPtr described = channel_->batch_isend_irecv(descriptors);
+  WorkPtr payloads = inner_->batch_isend_irecv(ops);
+  return std::make_shared<CheckedP2PWork>(described, payloads, [checks] {
+    for (const auto& c : checks) c();
+  });
 }
 
 WorkPtr CheckedCommunicator::barrier(const BarrierOptions& options) {
@@ -296,7 +316,7 @@ WorkPtr CheckedCommunicator::barrier(const BarrierOptions& options) {
 CommunicatorPtr CheckedCommunicator::split(int color, int key, const std::string& name) {
   auto child = inner_->split(color, key, name);
   if (!child) return nullptr;
-  return std::make_shared<CheckedCommunicator>(std::move(child), check_device_);
+  return std::make_shared<CheckedCommunicator>(std::move(child));
 }
 
 }  // namespace comm

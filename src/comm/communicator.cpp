@@ -63,7 +63,9 @@ std::string op_type_name(OpType op) {
   TORCH_INTERNAL_ASSERT(false, "unhandled OpType");
 }
 
-std::vector<std::string> all_gather_strings(Communicator& group, const std::string& mine) {
+std::vector<std::string> all_gather_strings(Communicator& device_group, const std::string& mine) {
+  const CommunicatorPtr channel = device_group.control();
+  Communicator& group = *channel;
   const int n = group.size();
   at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
   at::Tensor lengths = at::empty({n}, at::kLong);

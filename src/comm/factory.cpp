@@ -55,16 +55,19 @@ CommunicatorPtr make_world_communicator(const WorldOptions& options) {
   if (backend == Backend::kNccl) {
     TORCH_CHECK(options.device.is_cuda(), "the nccl backend needs a CUDA device, got ", options.device.str());
 #ifdef TESSERA_HAVE_NCCL
-    world = NcclCommunicator::create(MPI_COMM_WORLD, options.device.index() < 0 ? 0 : options.device.index(), "world");
+    world = NcclCommunicator::create(MPI_COMM_WORLD, options.device.index() < 0 ? 0 : options.device.index(), "world",
+                                     options.timeout);
 #else
     TORCH_CHECK(false,
                 "this build of tessera has no NCCL backend (configure with TESSERA_WITH_NCCL=ON and a CUDA "
                 "toolkit with nccl.h); use the mpi backend");
 #endif
   } else {
-    world = MpiCommunicator::world();
+    MpiOptions mpi;
+    mpi.timeout = options.timeout;
+    world = MpiCommunicator::world(mpi);
   }
-  if (options.check_collectives) world = std::make_shared<CheckedCommunicator>(world, options.device);
+  if (options.check_collectives) world = std::make_shared<CheckedCommunicator>(world);
   if (options.trace) world = std::make_shared<TracingCommunicator>(world, options.trace);
   return world;
 }

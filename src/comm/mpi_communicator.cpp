@@ -3,6 +3,7 @@
 #include "mpi_types.h"
 #include "op_checks.h"
 #include "tessera/comm/mpi_check.h"
+#include "waiting.h"
 #include "tessera/core/logging.h"
 
 #include <ATen/ATen.h>
@@ -11,6 +12,8 @@
 #endif
 
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 
@@ -69,23 +72,39 @@ struct Staged {
 // A Work owns its MPI requests and the tensors they use. finish() runs once,
 // on the thread that observes completion: it applies what MPI cannot do
 // itself (average, copy back to the device) before the result is visible.
+// Waits are timed (Note [Timeouts]); a Work that timed out, or whose
+// communicators were aborted, is abandoned: its requests and buffers are
+// leaked on purpose, because MPI may still write into them.
 class MpiWork : public Work {
  public:
-  MpiWork(std::vector<MPI_Request> requests, std::vector<at::Tensor> keep_alive, std::function<void()> finish)
-      : requests_(std::move(requests)), keep_alive_(std::move(keep_alive)), finish_(std::move(finish)) {}
+  MpiWork(detail::OpInfo op, std::vector<MPI_Request> requests, std::vector<at::Tensor> keep_alive,
+          std::function<void()> finish)
+      : op_(std::move(op)),
+        requests_(std::move(requests)),
+        keep_alive_(std::move(keep_alive)),
+        finish_(std::move(finish)) {}
 
   ~MpiWork() override {
     if (done_ || mpi_finalized()) return;
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      log_message(LogLevel::kError, -1, std::string("MPI work failed while being destroyed: ") + e.what());
+    if (!abandoned_ && !(op_.comm->abort && op_.comm->abort->aborted())) {
+      try {
+        wait();
+        return;
+      } catch (const std::exception& e) {
+        log_message(LogLevel::kError, -1, std::string("MPI work failed while being destroyed: ") + e.what());
+      }
     }
+    abandon();
   }
 
   void wait() override {
     if (done_) return;
-    TESSERA_MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    try {
+      wait_requests(requests_, op_);
+    } catch (...) {
+      abandon();
+      throw;
+    }
     complete();
   }
 
@@ -97,61 +116,120 @@ class MpiWork : public Work {
     return done_;
   }
 
+  // Polls the requests until done; throws TimeoutError after the timeout.
+  static void wait_requests(std::vector<MPI_Request>& requests, const detail::OpInfo& op) {
+    const int n = static_cast<int>(requests.size());
+    if (op.comm->timeout.count() == 0 && !op.comm->abort->aborted()) {
+      TESSERA_MPI_CHECK(MPI_Waitall(n, requests.data(), MPI_STATUSES_IGNORE));
+      return;
+    }
+    detail::wait_until(
+        [&] {
+          int flag = 0;
+          TESSERA_MPI_CHECK(MPI_Testall(n, requests.data(), &flag, MPI_STATUSES_IGNORE));
+          return flag != 0;
+        },
+        op);
+  }
+
  private:
   void complete() {
     done_ = true;
     if (finish_) finish_();
     keep_alive_.clear();
   }
+  void abandon() {
+    if (abandoned_) return;
+    abandoned_ = true;
+    new std::vector<at::Tensor>(std::move(keep_alive_));  // leaked: see the class comment
+  }
 
+  detail::OpInfo op_;
   std::vector<MPI_Request> requests_;
   std::vector<at::Tensor> keep_alive_;
   std::function<void()> finish_;
   bool done_ = false;
+  bool abandoned_ = false;
 };
 
-// Issues `blocking` for synchronous calls and `nonblocking` otherwise; either
-// way `finish` runs after MPI has completed. The synchronous path allocates
-// nothing (the benchmark's small sizes measure this path's overhead);
-// only an asynchronous call packs `finish` and the tensors into an MpiWork.
+// Issues `nonblocking` and returns its Work, or, for a synchronous call,
+// waits for it (timed) or, with no timeout, calls `blocking` (MPI's tuned
+// blocking algorithms); either way `finish` runs after MPI has completed.
+// The synchronous paths allocate nothing (the benchmark's small sizes
+// measure their overhead).
 template <typename Finish, typename Blocking, typename NonBlocking>
-WorkPtr issue(bool async, Finish&& finish, std::initializer_list<at::Tensor> keep_alive, Blocking&& blocking,
-              NonBlocking&& nonblocking) {
-  if (!async) {
+WorkPtr issue(const detail::OpInfo& op, bool async, Finish&& finish, std::initializer_list<at::Tensor> keep_alive,
+              Blocking&& blocking, NonBlocking&& nonblocking) {
+  if (!async && op.comm->timeout.count() == 0) {
     blocking();
     finish();
     return completed_work();
   }
   MPI_Request request = MPI_REQUEST_NULL;
   nonblocking(&request);
-  return std::make_shared<MpiWork>(std::vector<MPI_Request>{request}, std::vector<at::Tensor>(keep_alive),
-                                   std::function<void()>(std::forward<Finish>(finish)));
+  auto work = std::make_shared<MpiWork>(op, std::vector<MPI_Request>{request}, std::vector<at::Tensor>(keep_alive),
+                                        std::function<void()>(std::forward<Finish>(finish)));
+  if (async) return work;
+  work->wait();
+  return completed_work();
 }
 
 const auto kNothing = [] {};
 
 }  // namespace
 
-std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const std::string& name) {
+bool MpiOptions::synchronous_sends_from_env() {
+  const char* value = std::getenv("TESSERA_MPI_SYNC_SENDS");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const std::string& name,
+                                                         const MpiOptions& options) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   TORCH_CHECK(initialized, "MpiCommunicator::create('", name,
               "'): MPI is not initialized; create a tessera::comm::MpiRuntime first");
   MPI_Comm dup = MPI_COMM_NULL;
   TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &dup));
-  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup, name, std::make_shared<MpiTypes>()));
+  MpiOptions resolved = options;
+  if (!resolved.abort) resolved.abort = std::make_shared<detail::AbortState>();
+  return std::shared_ptr<MpiCommunicator>(
+      new MpiCommunicator(dup, name, std::make_shared<MpiTypes>(), std::move(resolved), /*with_control=*/true));
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types)
-    : comm_(comm), name_(std::move(name)), types_(std::move(types)) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types,
+                                 MpiOptions options, bool with_control)
+    : comm_(comm), name_(std::move(name)), types_(std::move(types)), options_(std::move(options)) {
   TESSERA_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   TESSERA_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   TESSERA_MPI_CHECK(MPI_Comm_size(comm_, &size_));
   cuda_aware_ = query_cuda_aware();
+  info_ = detail::make_comm_info(comm_, name_, with_control ? "mpi" : "mpi control", options_.timeout, options_.abort);
+  if (with_control) {
+    MPI_Comm dup = MPI_COMM_NULL;
+    TESSERA_MPI_CHECK(MPI_Comm_dup(comm_, &dup));
+    // The control channel is MPI under every backend: blocking sends model
+    // NCCL's, so they stay on the device channel.
+    MpiOptions control = options_;
+    control.synchronous_sends = false;
+    control_ = std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup, name_, types_, control, false));
+  }
 }
 
 MpiCommunicator::~MpiCommunicator() {
-  if (comm_ != MPI_COMM_NULL && !mpi_finalized()) MPI_Comm_free(&comm_);
+  // Freeing a communicator with abandoned operations is left to the end of
+  // the process (Note [Timeouts]).
+  if (comm_ != MPI_COMM_NULL && !mpi_finalized() && !options_.abort->aborted()) MPI_Comm_free(&comm_);
+}
+
+detail::OpInfo MpiCommunicator::begin(const char* op, std::vector<int> peers) {
+  detail::check_not_aborted(*info_, op);
+  return detail::OpInfo{info_, op, ++seq_, std::move(peers)};
+}
+
+CommunicatorPtr MpiCommunicator::control() {
+  if (control_) return control_;
+  return shared_from_this();
 }
 
 WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
@@ -168,7 +246,7 @@ WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& 
     buf.copy_back();
   };
   return issue(
-      options.async, finish, {buf.host, tensor},
+      begin("all_reduce"), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
         TESSERA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_, r));
@@ -184,7 +262,7 @@ WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& o
   const int root = options.root;
   auto finish = [buf]() { buf.copy_back(); };
   return issue(
-      options.async, finish, {buf.host, tensor},
+      begin("broadcast"), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf.data(), count, type, root, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibcast(buf.data(), count, type, root, comm_, r)); });
 }
@@ -209,7 +287,7 @@ WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options
     buf.copy_back();
   };
   return issue(
-      options.async, finish, {buf.host, tensor},
+      begin("reduce"), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Reduce(send, recv, count, type, mpi_op, root, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ireduce(send, recv, count, type, mpi_op, root, comm_, r)); });
 }
@@ -229,7 +307,7 @@ WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
   const void* send = in_place ? MPI_IN_PLACE : in.data();
   auto finish = [out]() { out.copy_back(); };
   return issue(
-      options.async, finish, {out.host, in.host, output, input},
+      begin("all_gather"), options.async, finish, {out.host, in.host, output, input},
       [&] { TESSERA_MPI_CHECK(MPI_Allgather(send, count, type, out.data(), count, type, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Iallgather(send, count, type, out.data(), count, type, comm_, r)); });
 }
@@ -250,7 +328,7 @@ WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& in
     out.copy_back();
   };
   return issue(
-      options.async, finish, {out.host, in.host, output, input},
+      begin("reduce_scatter"), options.async, finish, {out.host, in.host, output, input},
       [&] { TESSERA_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
         TESSERA_MPI_CHECK(MPI_Ireduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_, r));
@@ -268,7 +346,7 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
   if (layout.equal) {
     const int count = to_int_count(*this, op, layout.send_counts.empty() ? 0 : layout.send_counts[0]);
     return issue(
-        options.async, finish, {out.host, in.host, output, input},
+        begin("all_to_all"), options.async, finish, {out.host, in.host, output, input},
         [&] { TESSERA_MPI_CHECK(MPI_Alltoall(in.data(), count, type, out.data(), count, type, comm_)); },
         [&](MPI_Request* r) {
           TESSERA_MPI_CHECK(MPI_Ialltoall(in.data(), count, type, out.data(), count, type, comm_, r));
@@ -281,7 +359,7 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
   auto& c = *counts;
   auto finish_v = [out, counts]() { out.copy_back(); };
   return issue(
-      options.async, finish_v, {out.host, in.host, output, input},
+      begin("all_to_all"), options.async, finish_v, {out.host, in.host, output, input},
       [&] {
         TESSERA_MPI_CHECK(MPI_Alltoallv(in.data(), c[0].data(), c[1].data(), type, out.data(), c[2].data(), c[3].data(),
                                         type, comm_));
@@ -299,11 +377,17 @@ WorkPtr MpiCommunicator::send(const at::Tensor& tensor, int dst, const SendOptio
   const Staged buf(tensor, cuda_aware_, true);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
-  const int tag = options.tag;
+  if (options_.synchronous_sends) {  // blocks until the receive is posted, asynchronous or not
+    MPI_Request request = MPI_REQUEST_NULL;
+    const detail::OpInfo info = begin("send", {dst});
+    TESSERA_MPI_CHECK(MPI_Issend(buf.data(), count, type, dst, 0, comm_, &request));
+    MpiWork(info, {request}, {buf.host, tensor}, nullptr).wait();
+    return completed_work();
+  }
   return issue(
-      options.async, kNothing, {buf.host, tensor},
-      [&] { TESSERA_MPI_CHECK(MPI_Send(buf.data(), count, type, dst, tag, comm_)); },
-      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf.data(), count, type, dst, tag, comm_, r)); });
+      begin("send", {dst}), options.async, kNothing, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Send(buf.data(), count, type, dst, 0, comm_)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf.data(), count, type, dst, 0, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
@@ -313,25 +397,61 @@ WorkPtr MpiCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& op
   const Staged buf(tensor, cuda_aware_, false);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
-  const int tag = options.tag;
   auto finish = [buf]() { buf.copy_back(); };
   return issue(
-      options.async, finish, {buf.host, tensor},
-      [&] { TESSERA_MPI_CHECK(MPI_Recv(buf.data(), count, type, src, tag, comm_, MPI_STATUS_IGNORE)); },
-      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf.data(), count, type, src, tag, comm_, r)); });
+      begin("recv", {src}), options.async, finish, {buf.host, tensor},
+      [&] { TESSERA_MPI_CHECK(MPI_Recv(buf.data(), count, type, src, 0, comm_, MPI_STATUS_IGNORE)); },
+      [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf.data(), count, type, src, 0, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::barrier(const BarrierOptions& options) {
   return issue(
-      options.async, kNothing, {}, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
+      begin("barrier"), options.async, kNothing, {}, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibarrier(comm_, r)); });
+}
+
+WorkPtr MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  validate_batch(*this, ops);
+  std::vector<int> peers;
+  for (const auto& o : ops) peers.push_back(o.peer);
+  const detail::OpInfo info = begin("batch_isend_irecv", std::move(peers));
+  std::vector<MPI_Request> requests;
+  std::vector<at::Tensor> keep_alive;
+  auto staged = std::make_shared<std::vector<Staged>>();
+  // Receives first, then sends, each kind in the listed order.
+  for (const auto kind : {P2POp::Kind::kRecv, P2POp::Kind::kSend}) {
+    for (const auto& o : ops) {
+      if (o.kind != kind) continue;
+      const bool is_send = kind == P2POp::Kind::kSend;
+      const OpType op = is_send ? OpType::kSend : OpType::kRecv;
+      Staged buf(o.tensor, cuda_aware_, is_send);
+      const int count = to_int_count(*this, op, o.tensor.numel());
+      MPI_Datatype type = types_->datatype(o.tensor.scalar_type());
+      MPI_Request r = MPI_REQUEST_NULL;
+      if (!is_send) {
+        TESSERA_MPI_CHECK(MPI_Irecv(buf.data(), count, type, o.peer, 0, comm_, &r));
+        staged->push_back(buf);
+      } else if (options_.synchronous_sends) {
+        TESSERA_MPI_CHECK(MPI_Issend(buf.data(), count, type, o.peer, 0, comm_, &r));
+      } else {
+        TESSERA_MPI_CHECK(MPI_Isend(buf.data(), count, type, o.peer, 0, comm_, &r));
+      }
+      requests.push_back(r);
+      keep_alive.push_back(buf.host);
+      keep_alive.push_back(o.tensor);
+    }
+  }
+  auto finish = [staged] {
+    for (const auto& b : *staged) b.copy_back();
+  };
+  return std::make_shared<MpiWork>(info, std::move(requests), std::move(keep_alive), finish);
 }
 
 CommunicatorPtr MpiCommunicator::split(int color, int key, const std::string& name) {
   MPI_Comm child = MPI_COMM_NULL;
   TESSERA_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child));
   if (child == MPI_COMM_NULL) return nullptr;
-  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(child, name, types_));
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(child, name, types_, options_, control_ != nullptr));
 }
 
 }  // namespace comm

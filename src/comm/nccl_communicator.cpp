@@ -106,10 +106,13 @@ using IssueFn = std::function<void(ncclComm_t, cudaStream_t)>;
 // The ordering every operation follows: the communication stream waits for
 // the work queued so far on the current stream, NCCL runs on the
 // communication stream, and an event marks its completion for the Work.
-WorkPtr run_op(NcclState& state, std::vector<at::Tensor> tensors, bool async, bool block_host, const IssueFn& issue) {
+WorkPtr run_op(NcclState& state, const char* op, std::vector<at::Tensor> tensors, bool async, bool block_host,
+               const IssueFn& issue) {
   std::shared_ptr<NcclWork> work;
   {
     std::lock_guard<std::mutex> lock(state.issue_mutex);
+    detail::check_not_aborted(*state.info, op);
+    detail::OpInfo info{state.info, op, ++state.seq, {}};
     NcclResources& resources = *state.resources;
     resources.check_async_error();
     DeviceGuard guard(resources.device());
@@ -120,7 +123,8 @@ WorkPtr run_op(NcclState& state, std::vector<at::Tensor> tensors, bool async, bo
     CudaEvent done;
     done.record(resources.stream());
     detail::record_stream(tensors, resources.stream());
-    work = std::make_shared<NcclWork>(state.resources, std::move(done), std::move(tensors), block_host);
+    work = std::make_shared<NcclWork>(state.resources, std::move(info), std::move(done), std::move(tensors),
+                                      block_host);
   }
   if (!async) work->wait();
   return work;
@@ -141,7 +145,8 @@ void grouped(const std::function<void()>& issue) {
 }  // namespace
 
 std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, int cuda_device,
-                                                           const std::string& name) {
+                                                           const std::string& name, std::chrono::milliseconds timeout,
+                                                           std::shared_ptr<detail::AbortState> abort) {
   int initialized = 0;
   TESSERA_MPI_CHECK(MPI_Initialized(&initialized));
   TORCH_CHECK(initialized, "NcclCommunicator::create('", name, "'): MPI is not initialised");
@@ -177,6 +182,12 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, i
   TESSERA_NCCL_CHECK(ncclCommInitRank(&raw, size, message.id, rank));
   detail::NcclComm comm(raw, cuda_device);
   state->resources = std::make_shared<NcclResources>(std::move(comm), cuda_device, rank);
+  if (!abort) abort = std::make_shared<detail::AbortState>();
+  state->info = detail::make_comm_info(duplicate, name, "nccl", timeout, abort);
+  MpiOptions control_options;
+  control_options.timeout = timeout;
+  control_options.abort = abort;
+  state->control = MpiCommunicator::create(duplicate, name, control_options);
   return std::shared_ptr<NcclCommunicator>(new NcclCommunicator(std::move(state), rank, size, cuda_device, name));
 }
 
@@ -191,7 +202,7 @@ WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions&
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
   const NcclReduction reduction = to_nccl_reduction(options.op, tensor.scalar_type());
   const int size = size_;
-  return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "all_reduce", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(ncclAllReduce(data(tensor), data(tensor), count(tensor), type, reduction.op, comm, s));
     if (reduction.divide_after) detail::divide_on_stream(tensor, size, s);
@@ -202,7 +213,7 @@ WorkPtr NcclCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& 
   const OpType op = OpType::kBroadcast;
   validate_broadcast(*this, tensor, options.root);
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
-  return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "broadcast", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(ncclBroadcast(data(tensor), data(tensor), count(tensor), type, options.root, comm, s));
   });
@@ -217,7 +228,7 @@ WorkPtr NcclCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& option
   const int size = size_;
   // In place: NCCL writes the receive buffer only on the root, so the other
   // ranks' tensors stay as they were.
-  return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "reduce", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(
         ncclReduce(data(tensor), data(tensor), count(tensor), type, reduction.op, options.root, comm, s));
@@ -231,7 +242,7 @@ WorkPtr NcclCommunicator::all_gather(at::Tensor& output, const at::Tensor& input
   const ncclDataType_t type = check_nccl_tensor(*this, op, input, "input");
   check_nccl_tensor(*this, op, output, "output");
   // NCCL handles the in-place case (input at this rank's offset in output).
-  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "all_gather", {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(input) == 0) return;
     TESSERA_NCCL_CHECK(ncclAllGather(data(input), data(output), count(input), type, comm, s));
   });
@@ -245,7 +256,7 @@ WorkPtr NcclCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& i
   check_nccl_tensor(*this, op, output, "output");
   const NcclReduction reduction = to_nccl_reduction(options.op, input.scalar_type());
   const int size = size_;
-  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "reduce_scatter", {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(output) == 0) return;
     TESSERA_NCCL_CHECK(ncclReduceScatter(data(input), data(output), count(output), type, reduction.op, comm, s));
     if (reduction.divide_after) detail::divide_on_stream(output, size, s);
@@ -260,7 +271,7 @@ WorkPtr NcclCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input
   const size_t item = c10::elementSize(input.scalar_type());
   char* send_base = static_cast<char*>(data(input));
   char* recv_base = static_cast<char*>(data(output));
-  return run_op(*state_, {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "all_to_all", {output, input}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     // Zero-sized pieces are skipped on both sides alike: rank r's
     // send count to us is our receive count from r.
     grouped([&] {
@@ -283,7 +294,7 @@ WorkPtr NcclCommunicator::send(const at::Tensor& tensor, int dst, const SendOpti
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
   // Not to itself: NCCL pairs a self-send with its receive only within a group.
   check_rank(*this, op, "destination", dst, false);
-  return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "send", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(ncclSend(data(tensor), count(tensor), type, dst, comm, s));
   });
@@ -293,7 +304,7 @@ WorkPtr NcclCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& o
   const OpType op = OpType::kRecv;
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "output");
   check_rank(*this, op, "source", src, false);
-  return run_op(*state_, {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "recv", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
     if (count(tensor) == 0) return;
     TESSERA_NCCL_CHECK(ncclRecv(data(tensor), count(tensor), type, src, comm, s));
   });
@@ -301,17 +312,45 @@ WorkPtr NcclCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& o
 
 WorkPtr NcclCommunicator::barrier(const BarrierOptions& options) {
   void* buffer = state_->resources->barrier_buffer();
-  return run_op(*state_, {}, options.async, /*block_host=*/true, [&](ncclComm_t comm, cudaStream_t s) {
+  return run_op(*state_, "barrier", {}, options.async, /*block_host=*/true, [&](ncclComm_t comm, cudaStream_t s) {
     TESSERA_NCCL_CHECK(ncclAllReduce(buffer, buffer, 1, ncclInt32, ncclSum, comm, s));
   });
 }
+
+WorkPtr NcclCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  validate_batch(*this, ops);
+  std::vector<at::Tensor> tensors;
+  std::vector<ncclDataType_t> types;
+  for (const auto& o : ops) {
+    const bool send = o.kind == P2POp::Kind::kSend;
+    types.push_back(check_nccl_tensor(*this, send ? OpType::kSend : OpType::kRecv, o.tensor, send ? "input" : "output"));
+    tensors.push_back(o.tensor);
+  }
+  // One group: NCCL pairs sends and receives across the whole group, self
+  // included, so the order of posting inside it cannot deadlock.
+  return run_op(*state_, "batch_isend_irecv", tensors, /*async=*/true, false, [&](ncclComm_t comm, cudaStream_t s) {
+    grouped([&] {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const P2POp& o = ops[i];
+        if (count(o.tensor) == 0) continue;
+        if (o.kind == P2POp::Kind::kRecv) {
+          TESSERA_NCCL_CHECK(ncclRecv(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
+        } else {
+          TESSERA_NCCL_CHECK(ncclSend(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
+        }
+      }
+    });
+  });
+}
+
+CommunicatorPtr NcclCommunicator::control() { return state_->control; }
 
 CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& name) {
   MPI_Comm child = MPI_COMM_NULL;
   TESSERA_MPI_CHECK(MPI_Comm_split(state_->bootstrap.get(), color < 0 ? MPI_UNDEFINED : color, key, &child));
   if (child == MPI_COMM_NULL) return nullptr;
   detail::MpiComm owned(child);  // create() keeps its own duplicate
-  return create(owned.get(), device_, name);
+  return create(owned.get(), device_, name, state_->info->timeout, state_->info->abort);
 }
 
 }  // namespace comm

@@ -19,7 +19,6 @@ namespace {
 
 // Between two queries while the host waits for a barrier: short enough not
 // to add visible latency, long enough not to hog a core.
-constexpr std::chrono::microseconds kPollInterval{20};
 
 // For destructors, which must not throw: errors are dropped (at process exit
 // the CUDA runtime may already be unloading and every call fails).
@@ -102,12 +101,25 @@ NcclComm::~NcclComm() {
   (void)cudaGetLastError();
 }
 
+void NcclComm::abort() {
+  if (comm_ == nullptr) return;
+  int previous = -1;
+  const bool have_previous = cudaGetDevice(&previous) == cudaSuccess;
+  set_device_quietly(device_);
+  (void)ncclCommAbort(comm_);
+  comm_ = nullptr;
+  if (have_previous) set_device_quietly(previous);
+  (void)cudaGetLastError();
+}
+
 NcclComm::NcclComm(NcclComm&& other) noexcept : comm_(other.comm_), device_(other.device_) { other.comm_ = nullptr; }
 
 NcclResources::NcclResources(NcclComm comm, int device, int rank)
     : device_(device), rank_(rank), barrier_buffer_(sizeof(int32_t)), stream_(), comm_(std::move(comm)) {}
 
 void NcclResources::check_async_error() const {
+  TORCH_CHECK(comm_.get() != nullptr, "NCCL communicator on CUDA device ", device_, " (rank ", rank_,
+              ") was aborted after a timeout and cannot be used any more");
   ncclResult_t async_error = ncclSuccess;
   TESSERA_NCCL_CHECK(ncclCommGetAsyncError(comm_.get(), &async_error));
   TORCH_CHECK(async_error == ncclSuccess, "NCCL communicator on CUDA device ", device_, " (rank ", rank_,
@@ -115,9 +127,15 @@ void NcclResources::check_async_error() const {
               ". The communicator cannot be used any more.");
 }
 
-NcclWork::NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done, std::vector<at::Tensor> tensors,
-                   bool block_host)
-    : resources_(std::move(resources)), done_(std::move(done)), tensors_(std::move(tensors)), block_host_(block_host) {
+void NcclResources::abort() { comm_.abort(); }
+
+NcclWork::NcclWork(std::shared_ptr<NcclResources> resources, OpInfo op, CudaEvent done,
+                   std::vector<at::Tensor> tensors, bool block_host)
+    : resources_(std::move(resources)),
+      op_(std::move(op)),
+      done_(std::move(done)),
+      tensors_(std::move(tensors)),
+      block_host_(block_host) {
   TORCH_INTERNAL_ASSERT(resources_ != nullptr);
 }
 
@@ -144,8 +162,10 @@ void NcclWork::wait() {
   TESSERA_CUDA_CHECK(cudaStreamWaitEvent(current_compute_stream(device), done_.get(), 0));
   if (block_host_) {
     // Polling rather than cudaEventSynchronize, so that a failed peer turns
-    // into an exception (check_async_error) instead of a hang.
-    while (!query_locked()) std::this_thread::sleep_for(kPollInterval);
+    // into an exception (check_async_error) and a stalled one into a
+    // TimeoutError (Note [Timeouts]) instead of a hang.
+    auto resources = resources_;
+    wait_until([this] { return query_locked(); }, op_, [resources] { resources->abort(); });
   }
   waited_ = true;
 }

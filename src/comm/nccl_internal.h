@@ -3,7 +3,9 @@
 // NCCL and MPI handles, the Work type, and the glue to LibTorch's CUDA stream
 // API, which exists only when TESSERA_HAVE_C10_CUDA is defined.
 #include "tessera/comm/communicator.h"
+#include "tessera/comm/mpi_communicator.h"
 #include "tessera/comm/nccl_check.h"
+#include "waiting.h"
 
 #include <mpi.h>
 
@@ -120,6 +122,9 @@ class NcclComm {
   NcclComm& operator=(const NcclComm&) = delete;
 
   ncclComm_t get() const { return comm_; }
+  // ncclCommAbort: pending operations are cancelled and the communicator is
+  // gone (Note [Timeouts]).
+  void abort();
 
  private:
   ncclComm_t comm_;
@@ -145,6 +150,8 @@ class NcclResources {
   // Throws if NCCL has reported an asynchronous error (a failed peer, a
   // network error): the operation would otherwise never complete.
   void check_async_error() const;
+  // After a timeout: aborts the NCCL communicator.
+  void abort();
 
  private:
   int device_;
@@ -157,8 +164,10 @@ class NcclResources {
 // See Note [Work semantics] in communicator.h.
 class NcclWork final : public Work {
  public:
-  // block_host: wait() also blocks the host until completion (barrier).
-  NcclWork(std::shared_ptr<NcclResources> resources, CudaEvent done, std::vector<at::Tensor> tensors, bool block_host);
+  // block_host: wait() also blocks the host until completion (barrier),
+  // for at most the communicator's timeout.
+  NcclWork(std::shared_ptr<NcclResources> resources, OpInfo op, CudaEvent done, std::vector<at::Tensor> tensors,
+           bool block_host);
   // Waits (as wait() does) if nobody did; errors are logged, not thrown.
   ~NcclWork() override;
 
@@ -169,6 +178,7 @@ class NcclWork final : public Work {
   bool query_locked();
 
   std::shared_ptr<NcclResources> resources_;
+  OpInfo op_;
   CudaEvent done_;
   // Kept alive until the Work is destroyed (see docs/nccl-backend.md).
   std::vector<at::Tensor> tensors_;
@@ -199,6 +209,9 @@ struct NcclState {
 
   MpiComm bootstrap;  // duplicate of the creating communicator, for split()
   std::shared_ptr<NcclResources> resources;
+  std::shared_ptr<MpiCommunicator> control;  // Note [Control traffic]
+  std::shared_ptr<const CommInfo> info;      // for timeout messages
+  int64_t seq = 0;
   std::mutex issue_mutex;  // keeps each operation's event/NCCL/event sequence whole
 };
 

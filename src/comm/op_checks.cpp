@@ -151,5 +151,14 @@ AllToAllLayout validate_all_to_all(const Communicator& comm, const at::Tensor& o
   return all_to_all_layout(comm, output, input, options);
 }
 
+void validate_batch(const Communicator& comm, const std::vector<P2POp>& ops) {
+  for (const auto& o : ops) {
+    const bool send = o.kind == P2POp::Kind::kSend;
+    const OpType op = send ? OpType::kSend : OpType::kRecv;
+    check_tensor(comm, op, o.tensor, send ? "input" : "output");
+    check_rank(comm, op, send ? "destination" : "source", o.peer, /*allow_self=*/true);
+  }
+}
+
 }  // namespace comm
 }  // namespace tessera

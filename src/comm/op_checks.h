@@ -41,6 +41,8 @@ void validate_reduce_scatter(const Communicator& comm, const at::Tensor& output,
                              ReduceOp op);
 AllToAllLayout validate_all_to_all(const Communicator& comm, const at::Tensor& output, const at::Tensor& input,
                                    const AllToAllOptions& options);
+// Each op of a batch_isend_irecv: its tensor, and a peer in range (itself allowed).
+void validate_batch(const Communicator& comm, const std::vector<P2POp>& ops);
 
 }  // namespace comm
 }  // namespace tessera

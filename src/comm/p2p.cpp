@@ -6,44 +6,6 @@
 
 namespace tessera {
 namespace comm {
-namespace {
-
-class BatchWork : public Work {
- public:
-  explicit BatchWork(std::vector<WorkPtr> works) : works_(std::move(works)) {}
-  void wait() override {
-    for (auto& w : works_) w->wait();
-  }
-  bool is_completed() override {
-    for (auto& w : works_)
-      if (!w->is_completed()) return false;
-    return true;
-  }
-
- private:
-  std::vector<WorkPtr> works_;
-};
-
-}  // namespace
-
-WorkPtr batch_isend_irecv(Communicator& comm, const std::vector<P2POp>& ops) {
-  std::vector<WorkPtr> works;
-  works.reserve(ops.size());
-  for (const auto& op : ops) {
-    if (op.kind != P2POp::Kind::kRecv) continue;
-    at::Tensor buffer = op.tensor;
-    RecvOptions options;
-    options.async = true;
-    works.push_back(comm.recv(buffer, op.peer, options));
-  }
-  for (const auto& op : ops) {
-    if (op.kind != P2POp::Kind::kSend) continue;
-    SendOptions options;
-    options.async = true;
-    works.push_back(comm.send(op.tensor, op.peer, options));
-  }
-  return std::make_shared<BatchWork>(std::move(works));
-}
 
 WorkPtr ring_shift(Communicator& comm, const at::Tensor& send, at::Tensor& recv) {
   TORCH_CHECK(send.sizes() == recv.sizes() && send.scalar_type() == recv.scalar_type(),
@@ -55,7 +17,7 @@ WorkPtr ring_shift(Communicator& comm, const at::Tensor& send, at::Tensor& recv)
     return completed_work();
   }
   const int r = comm.rank();
-  return batch_isend_irecv(comm, {{P2POp::Kind::kSend, send, (r + 1) % n}, {P2POp::Kind::kRecv, recv, (r + n - 1) % n}});
+  return comm.batch_isend_irecv({{P2POp::Kind::kSend, send, (r + 1) % n}, {P2POp::Kind::kRecv, recv, (r + n - 1) % n}});
 }
 
 void ring_pass(Communicator& comm, const at::Tensor& local,

@@ -57,10 +57,19 @@ std::string CommTrace::to_string() const {
   return out;
 }
 
-TracingCommunicator::TracingCommunicator(CommunicatorPtr inner, std::shared_ptr<CommTrace> trace)
-    : inner_(std::move(inner)), trace_(std::move(trace)) {
+TracingCommunicator::TracingCommunicator(CommunicatorPtr inner, std::shared_ptr<CommTrace> trace,
+                                         std::shared_ptr<CommTrace> control_trace)
+    : inner_(std::move(inner)), trace_(std::move(trace)), control_trace_(std::move(control_trace)) {
   TORCH_CHECK(inner_ != nullptr, "TracingCommunicator needs a communicator to wrap");
   TORCH_CHECK(trace_ != nullptr, "TracingCommunicator needs a CommTrace");
+  if (!control_trace_) control_trace_ = trace_;
+  auto channel = inner_->control();
+  if (channel != inner_) control_ = std::make_shared<TracingCommunicator>(channel, control_trace_);
+}
+
+CommunicatorPtr TracingCommunicator::control() {
+  if (control_) return control_;
+  return shared_from_this();
 }
 
 void TracingCommunicator::record(OpType op, int64_t bytes, double bus_factor) {
@@ -134,10 +143,19 @@ WorkPtr TracingCommunicator::barrier(const BarrierOptions& options) {
   return work;
 }
 
+WorkPtr TracingCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  auto work = inner_->batch_isend_irecv(ops);
+  for (const auto& o : ops) {
+    const bool send = o.kind == P2POp::Kind::kSend;
+    record(send ? OpType::kSend : OpType::kRecv, nbytes(o.tensor), send && o.peer != rank() ? 1.0 : 0.0);
+  }
+  return work;
+}
+
 CommunicatorPtr TracingCommunicator::split(int color, int key, const std::string& name) {
   auto child = inner_->split(color, key, name);
   if (!child) return nullptr;
-  return std::make_shared<TracingCommunicator>(std::move(child), trace_);
+  return std::make_shared<TracingCommunicator>(std::move(child), trace_, control_trace_);
 }
 
 }  // namespace comm

@@ -36,18 +36,28 @@ at::Tensor LossScaler::scale(const at::Tensor& loss) const { return loss * scale
 
 bool LossScaler::unscale(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
-  bool finite = true;
+  // One flag on the gradients' device, read once after the all-reduce (Note
+  // [One host sync per step] in whole_norms.cpp).
+  at::Tensor overflow;
   for (const auto& p : params) {
     if (!p.grad().defined()) continue;
     at::Tensor g = p.grad();
     g.mul_(1.0 / scale_);
-    finite = finite && at::isfinite(g).all().item<bool>();
+    const at::Tensor bad = at::isfinite(g).logical_not().any().to(at::kFloat).view({1});
+    overflow = overflow.defined() ? at::maximum(overflow, bad) : bad;
   }
-  at::Tensor overflow = at::tensor({finite ? 0 : 1}, at::kInt);
+  if (!overflow.defined()) {
+    c10::Device device(c10::kCPU);
+    for (const auto& p : params) {
+      device = p.device();
+      break;
+    }
+    overflow = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
   comm::AllReduceOptions max;
   max.op = comm::ReduceOp::kMax;
   group_->all_reduce(overflow, max);
-  return overflow.item<int>() == 0;
+  return overflow.item<float>() == 0;
 }
 
 void LossScaler::update(bool overflow) {

@@ -2,6 +2,7 @@
 
 #include "split_backward.h"
 #include "tessera/parallel/pipeline_partition.h"
+#include "tessera/parallel/pipeline_simulator.h"
 #include "tessera/parallel/sharded_module.h"
 
 #include <ATen/ATen.h>
@@ -20,26 +21,36 @@ namespace parallel {
 namespace {
 
 constexpr int kMaxDims = 8;
-constexpr int kTagLimit = 32767;  // the least MPI_TAG_UB the standard allows
+constexpr int kHeaderFields = 5 + kMaxDims;
 
-// A message's header: dtype, number of dimensions, sizes. Receivers learn
-// the shape and dtype of every activation and gradient from it.
-at::Tensor make_header(const at::Tensor& t) {
+// A message's header, on the control channel (Note [Pipeline message
+// batches]): which message it is (activation or gradient, micro-batch,
+// receiving stage), then dtype, number of dimensions and sizes. Receivers
+// learn the shape and dtype of every activation and gradient from it.
+at::Tensor make_header(const at::Tensor& t, bool activation, int microbatch, int stage) {
   TORCH_CHECK(t.dim() <= kMaxDims, "pipeline: a stage output has ", t.dim(), " dimensions; at most ", kMaxDims,
               " can be exchanged");
-  at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
+  at::Tensor h = at::zeros({kHeaderFields}, at::kLong);
   auto a = h.accessor<int64_t, 1>();
-  a[0] = static_cast<int64_t>(t.scalar_type());
-  a[1] = t.dim();
-  for (int64_t d = 0; d < t.dim(); ++d) a[2 + d] = t.size(d);
+  a[0] = activation ? 1 : 0;
+  a[1] = microbatch;
+  a[2] = stage;
+  a[3] = static_cast<int64_t>(t.scalar_type());
+  a[4] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) a[5 + d] = t.size(d);
   return h;
 }
 
-at::Tensor empty_from_header(const at::Tensor& h, const c10::Device& device) {
+at::Tensor empty_from_header(const at::Tensor& h, const Action& expected, const c10::Device& device) {
   auto a = h.accessor<int64_t, 1>();
+  const bool act = expected.kind == ActionKind::kRecvActivation;
+  TORCH_INTERNAL_ASSERT(a[0] == (act ? 1 : 0) && a[1] == expected.microbatch && a[2] == expected.stage,
+                        "pipeline: the message received for ", expected.to_string(), " is the ",
+                        a[0] ? "activation" : "gradient", " of micro-batch ", a[1], " for stage ", a[2],
+                        "; the schedule's message order is broken");
   std::vector<int64_t> sizes;
-  for (int64_t d = 0; d < a[1]; ++d) sizes.push_back(a[2 + d]);
-  return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(a[0])).device(device));
+  for (int64_t d = 0; d < a[4]; ++d) sizes.push_back(a[5 + d]);
+  return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(a[3])).device(device));
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -56,9 +67,13 @@ struct PipelineExecutor::Impl {
   using Key = std::pair<int, int>;                // (micro-batch, stage)
   using MessageKey = std::tuple<bool, int, int>;  // (activation, micro-batch, receiving stage)
   std::map<Key, Slot> slots;
-  std::vector<at::Tensor> inputs, targets;                  // per micro-batch
-  std::vector<std::pair<comm::WorkPtr, at::Tensor>> sends;  // completed at the end of run()
-  std::map<MessageKey, at::Tensor> mailbox;                 // messages to this rank's own stages
+  std::vector<at::Tensor> inputs, targets;   // per micro-batch
+  std::map<MessageKey, at::Tensor> mailbox;  // messages to this rank's own stages
+  comm::CommunicatorPtr control;             // headers and the loss (Note [Control traffic])
+  // The schedule's batches would not complete if sends were waited with
+  // them: sends are posted apart and waited at the end of the step.
+  bool sends_block = false;
+  std::vector<comm::WorkPtr> sends;
   double loss = 0;
   double loss_scale = 1.0;
   bool forward_only = false;
@@ -152,9 +167,17 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
     impl_->device = p.device();
     break;
   }
-  const int tags = 2 * stages * options_.microbatches() * 2;
-  TORCH_CHECK(tags <= kTagLimit, "pipeline: ", stages, " stages x ", options_.microbatches(), " micro-batches need ",
-              tags, " message tags, more than the ", kTagLimit, " MPI guarantees");
+  impl_->control = group_->control();
+  // The generators' messages pair without tags (Note [Pipeline message batches]).
+  bool completes = true;
+  batches_ = message_batches(schedule_, &completes);
+  forward_batches_ = message_batches(forward_schedule_);
+  impl_->sends_block = !completes;
+  TORCH_CHECK(completes || group_->backend().find("nccl") == std::string::npos, "pipeline: the ",
+              schedule_.name, " schedule with pp ", schedule_.pp, " and ", options_.microbatches(),
+              " micro-batches has message batches that deadlock when sends block until received, as NCCL's do "
+              "(Note [Pipeline message batches]); use 1f1b, zb-h1 or zb-h2, another number of micro-batches, or "
+              "the mpi backend");
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
@@ -207,14 +230,6 @@ std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> Pipeline
   return out;
 }
 
-namespace {
-
-int message_tag(bool activation, int microbatch, int stage, int part, int stages, int microbatches) {
-  return (((activation ? 0 : 1) * stages + stage) * microbatches + microbatch) * 2 + part;
-}
-
-}  // namespace
-
 void PipelineExecutor::set_sharded(std::shared_ptr<ShardedModule> sharded) {
   impl_->stage_units.clear();
   impl_->sharded = std::move(sharded);
@@ -258,6 +273,7 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
   stats_ = PipelineRunStats();
 
   const auto& actions = schedule.ranks[me];
+  const std::vector<int>& batch_of = (&schedule == &schedule_ ? batches_ : forward_batches_)[me];
   size_t i = 0;
   while (i < actions.size()) {
     if (actions[i].is_compute()) {
@@ -270,17 +286,21 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
       ++i;
       continue;
     }
-    // A run of consecutive messages is posted together: sends go out at
-    // once, headers of all receives are awaited, then all payloads.
-    struct Pending {
+    // A run of consecutive messages: its sends are taken from their slots,
+    // then its batches are exchanged in order, each in two phases: headers
+    // on the control channel, payloads on the device channel (Note
+    // [Pipeline message batches]).
+    struct Message {
       Action action;
-      at::Tensor header, payload;
-      comm::WorkPtr work;
+      at::Tensor payload;  // what is sent; for a receive, filled from its header
+      int peer = 0;
     };
-    std::vector<Pending> recvs;
+    std::map<int, std::vector<Message>> batches;  // batch number -> its messages, in action order
+    std::vector<Action> local;                    // hand-overs between this rank's own stages
     for (; i < actions.size() && !actions[i].is_compute(); ++i) {
       const Action& a = actions[i];
       const bool act = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation;
+      const int batch = batch_of[i];
       if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGrad) {
         Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
         at::Tensor t = (act ? slot.output : slot.input_grad).detach().contiguous();
@@ -288,66 +308,71 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
         if (schedule_.rank_of(to) == me) {
           st.mailbox[{act, a.microbatch, to}] = t;
         } else {
-          comm::SendOptions o;
-          o.async = true;
-          o.tag = message_tag(act, a.microbatch, to, 0, stages, m);
-          at::Tensor header = make_header(t);
-          st.sends.emplace_back(group_->send(header, schedule_.rank_of(to), o), header);
-          o.tag += 1;
-          st.sends.emplace_back(group_->send(t, schedule_.rank_of(to), o), t);
+          batches[batch].push_back({a, t, schedule_.rank_of(to)});
         }
         if (!act) slot.input_grad = at::Tensor();
         if (act && st.forward_only) st.slots.erase({a.microbatch, a.stage});  // nothing to keep for a backward
       } else {
         const int from = act ? a.stage - 1 : a.stage + 1;
-        Pending p{a, {}, {}, nullptr};
-        if (schedule_.rank_of(from) != me) {
-          comm::RecvOptions o;
-          o.async = true;
-          o.tag = message_tag(act, a.microbatch, a.stage, 0, stages, m);
-          p.header = at::empty({2 + kMaxDims}, at::kLong);
-          p.work = group_->recv(p.header, schedule_.rank_of(from), o);
+        if (schedule_.rank_of(from) == me) {
+          local.push_back(a);
+        } else {
+          batches[batch].push_back({a, at::Tensor(), schedule_.rank_of(from)});
         }
-        recvs.push_back(std::move(p));
       }
     }
     const auto t0 = std::chrono::steady_clock::now();
-    for (auto& p : recvs) {
-      if (!p.work) continue;
-      p.work->wait();
-      const bool act = p.action.kind == ActionKind::kRecvActivation;
-      const int from = act ? p.action.stage - 1 : p.action.stage + 1;
-      p.payload = empty_from_header(p.header, st.device);
-      comm::RecvOptions o;
-      o.async = true;
-      o.tag = message_tag(act, p.action.microbatch, p.action.stage, 1, stages, m);
-      p.work = group_->recv(p.payload, schedule_.rank_of(from), o);
-    }
-    for (auto& p : recvs) {
-      const bool act = p.action.kind == ActionKind::kRecvActivation;
-      if (p.work) {
-        p.work->wait();
-      } else {
-        auto it = st.mailbox.find({act, p.action.microbatch, p.action.stage});
-        TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", p.action.to_string());
-        p.payload = it->second;
-        st.mailbox.erase(it);
-      }
-      Impl::Slot& slot = st.slots[{p.action.microbatch, p.action.stage}];
-      if (act) {
-        slot.input = p.payload.detach();
+    auto deliver = [&](const Action& a, const at::Tensor& payload) {
+      Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
+      if (a.kind == ActionKind::kRecvActivation) {
+        slot.input = payload.detach();
         if (slot.input.is_floating_point() && !st.forward_only) slot.input.requires_grad_(true);
       } else {
-        slot.grad_output = p.payload;
+        slot.grad_output = payload;
       }
+    };
+    for (auto& [number, messages] : batches) {
+      std::vector<comm::P2POp> headers, payloads;
+      for (const auto& msg : messages) {
+        const bool send = msg.payload.defined();
+        if (send) {
+          const bool act = msg.action.kind == ActionKind::kSendActivation;
+          const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
+          headers.push_back({comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to),
+                             msg.peer});
+          payloads.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
+        } else {
+          headers.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
+        }
+      }
+      st.control->batch_isend_irecv(headers)->wait();
+      for (size_t k = 0; k < messages.size(); ++k) {
+        if (messages[k].payload.defined()) continue;
+        messages[k].payload = empty_from_header(headers[k].tensor, messages[k].action, st.device);
+        payloads.push_back({comm::P2POp::Kind::kRecv, messages[k].payload, messages[k].peer});
+      }
+      if (st.sends_block) {
+        std::vector<comm::P2POp> out, in;
+        for (auto& op : payloads) (op.kind == comm::P2POp::Kind::kSend ? out : in).push_back(op);
+        st.sends.push_back(group_->batch_isend_irecv(out));
+        group_->batch_isend_irecv(in)->wait();
+      } else {
+        group_->batch_isend_irecv(payloads)->wait();
+      }
+      for (size_t k = 0; k < messages.size(); ++k)
+        if (headers[k].kind == comm::P2POp::Kind::kRecv) deliver(messages[k].action, messages[k].payload);
+    }
+    for (const auto& a : local) {
+      auto it = st.mailbox.find({a.kind == ActionKind::kRecvActivation, a.microbatch, a.stage});
+      TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", a.to_string());
+      deliver(a, it->second);
+      st.mailbox.erase(it);
     }
     stats_.wait_seconds += seconds_since(t0);
   }
 
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto& s : st.sends) s.first->wait();
+  for (auto& w : st.sends) w->wait();
   st.sends.clear();
-  stats_.wait_seconds += seconds_since(t0);
   TORCH_INTERNAL_ASSERT(st.mailbox.empty(), "pipeline: ", st.mailbox.size(), " local messages never received");
   st.slots.clear();
 
@@ -361,7 +386,7 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
   at::Tensor loss = at::tensor({st.loss}, at::kDouble);
   comm::BroadcastOptions b;
   b.root = schedule_.rank_of(stages - 1);
-  group_->broadcast(loss, b);
+  st.control->broadcast(loss, b);
   return loss.item<double>();
 }
 

@@ -6,7 +6,10 @@
 #include <cctype>
 #include <deque>
 #include <limits>
+#include <map>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 namespace tessera {
 namespace parallel {
@@ -363,6 +366,47 @@ Schedule insert_communication(Schedule s) {
       if (backward && a.stage > 0) out.push_back({ActionKind::kSendGrad, a.microbatch, a.stage});
     }
     actions = std::move(out);
+  }
+  return align_receives(std::move(s));
+}
+
+Schedule align_receives(Schedule s) {
+  // A remote message as (activation, micro-batch, receiving stage), in each sender's order per receiver.
+  using Id = std::tuple<bool, int, int>;
+  std::map<std::pair<int, int>, std::vector<Id>> order;  // (from, to) -> messages in send order
+  for (int q = 0; q < s.pp; ++q) {
+    for (const Action& a : s.ranks[q]) {
+      const bool act = a.kind == ActionKind::kSendActivation;
+      if (!act && a.kind != ActionKind::kSendGrad) continue;
+      const int to = act ? a.stage + 1 : a.stage - 1;
+      if (s.rank_of(to) != q) order[{q, s.rank_of(to)}].emplace_back(act, a.microbatch, to);
+    }
+  }
+  for (int r = 0; r < s.pp; ++r) {
+    std::vector<Action> out;
+    std::map<int, size_t> next;  // sender -> messages from it already received
+    std::set<Id> early;          // received ahead of their own action
+    for (const Action& a : s.ranks[r]) {
+      const bool act = a.kind == ActionKind::kRecvActivation;
+      const int from = act ? a.stage - 1 : a.stage + 1;
+      if ((!act && a.kind != ActionKind::kRecvGrad) || s.rank_of(from) == r) {
+        out.push_back(a);
+        continue;
+      }
+      const Id id{act, a.microbatch, a.stage};
+      if (early.erase(id)) continue;
+      const int q = s.rank_of(from);
+      const auto& sent = order[{q, r}];
+      // Every message the sender sent before this one is received here too.
+      for (size_t& k = next[q]; k < sent.size();) {
+        const Id m = sent[k++];
+        out.push_back({std::get<0>(m) ? ActionKind::kRecvActivation : ActionKind::kRecvGrad, std::get<1>(m),
+                       std::get<2>(m)});
+        if (m == id) break;
+        early.insert(m);
+      }
+    }
+    s.ranks[r] = std::move(out);
   }
   return s;
 }

@@ -221,5 +221,164 @@ std::string draw(const Schedule& schedule, const ActionCosts& costs, int chars_p
   return os.str();
 }
 
+std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* completes) {
+  // A remote message, as both ends name it: (activation, micro-batch, receiving stage).
+  using Id = std::tuple<bool, int, int>;
+  struct Op {
+    size_t action;  // index in the rank's actions
+    bool send;
+    int peer;
+    Id id;
+    int run;  // index of the run of consecutive message actions on this rank
+  };
+  const int pp = schedule.pp;
+  std::vector<std::vector<Op>> ops(pp);
+  std::map<std::pair<int, int>, std::vector<std::pair<Id, size_t>>> sent, received;  // (from, to) -> (id, op)
+  for (int r = 0; r < pp; ++r) {
+    const auto& actions = schedule.ranks[r];
+    int run = -1;
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const Action& a = actions[i];
+      if (a.is_compute()) continue;
+      if (i == 0 || actions[i - 1].is_compute()) ++run;
+      const bool act = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation;
+      const bool send = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGrad;
+      const int other_stage = send ? (act ? a.stage + 1 : a.stage - 1) : (act ? a.stage - 1 : a.stage + 1);
+      const int peer = schedule.rank_of(other_stage);
+      if (peer == r) continue;  // a local hand-over, no message
+      const Id id{act, a.microbatch, send ? other_stage : a.stage};
+      (send ? sent[{r, peer}] : received[{peer, r}]).emplace_back(id, ops[r].size());
+      ops[r].push_back({i, send, peer, id, run});
+    }
+  }
+  auto name = [](const Id& id) {
+    return std::string(std::get<0>(id) ? "activation" : "gradient") + " of micro-batch " +
+           std::to_string(std::get<1>(id)) + " for stage " + std::to_string(std::get<2>(id));
+  };
+  // (1) one order per pair, and each op's other end.
+  std::vector<std::vector<size_t>> partner(pp);
+  for (int r = 0; r < pp; ++r) partner[r].assign(ops[r].size(), 0);
+  for (const auto& [pair, messages] : sent) {
+    const auto& theirs = received[pair];
+    for (size_t k = 0; k < std::max(messages.size(), theirs.size()); ++k) {
+      TORCH_CHECK(k < messages.size() && k < theirs.size() && messages[k].first == theirs[k].first, "schedule '",
+                  schedule.name, "': rank ", pair.first, " sends its messages to rank ", pair.second,
+                  " in another order than that rank receives them; message ", k, " is the ",
+                  k < messages.size() ? name(messages[k].first) : std::string("end"), " on the sender and the ",
+                  k < theirs.size() ? name(theirs[k].first) : std::string("end"), " on the receiver");
+      partner[pair.first][messages[k].second] = theirs[k].second;
+      partner[pair.second][theirs[k].second] = messages[k].second;
+    }
+  }
+  for (const auto& [pair, theirs] : received)
+    TORCH_CHECK(sent.count(pair), "schedule '", schedule.name, "': rank ", pair.second, " receives the ",
+                name(theirs.front().first), " from rank ", pair.first, ", which never sends it");
+  // Batches: the ops of one run whose other ends lie in one run of one peer,
+  // in order of first appearance; so each batch pairs with one batch.
+  std::vector<std::vector<int>> batch_of_op(pp);
+  std::vector<int> batches(pp, 0);
+  for (int r = 0; r < pp; ++r) {
+    std::map<std::tuple<int, int, int>, int> key_to_batch;  // (run, peer, peer's run)
+    for (size_t k = 0; k < ops[r].size(); ++k) {
+      const Op& o = ops[r][k];
+      const auto key = std::make_tuple(o.run, o.peer, ops[o.peer][partner[r][k]].run);
+      auto it = key_to_batch.find(key);
+      if (it == key_to_batch.end()) it = key_to_batch.emplace(key, batches[r]++).first;
+      batch_of_op[r].push_back(it->second);
+    }
+  }
+  // (2) phases per batch: 0 not reached, 1 headers posted, 2 payloads posted, 3 done.
+  // A rank takes the batches of its current run one at a time, first one
+  // whose paired batch is already posted (else the first left), so a run's
+  // batches with two runs of one peer cannot wait on each other; the order
+  // taken is the order the executor follows.
+  std::vector<std::vector<int>> phase(pp), run_of_batch(pp);
+  std::vector<std::vector<std::vector<size_t>>> members(pp);  // [rank][batch] -> ops
+  for (int r = 0; r < pp; ++r) {
+    phase[r].assign(static_cast<size_t>(batches[r]), 0);
+    run_of_batch[r].assign(static_cast<size_t>(batches[r]), 0);
+    members[r].resize(static_cast<size_t>(batches[r]));
+    for (size_t k = 0; k < ops[r].size(); ++k) {
+      members[r][static_cast<size_t>(batch_of_op[r][k])].push_back(k);
+      run_of_batch[r][static_cast<size_t>(batch_of_op[r][k])] = ops[r][k].run;
+    }
+  }
+  // Headers are small sends on the host channel that never wait for their
+  // receive (MPI's eager protocol), so the header phase waits for the
+  // receives only; payload sends block until received.
+  auto partners_reached = [&](int r, int b, int level) {
+    for (size_t k : members[r][static_cast<size_t>(b)]) {
+      if (level == 1 && ops[r][k].send) continue;
+      const int peer = ops[r][k].peer;
+      if (phase[peer][static_cast<size_t>(batch_of_op[peer][partner[r][k]])] < level) return false;
+    }
+    return true;
+  };
+  std::vector<int> current(pp, -1), done(pp, 0);
+  std::vector<std::vector<int>> taken(pp);  // batches in the order taken
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < pp; ++r) {
+      if (current[r] < 0) {
+        if (done[r] == batches[r]) continue;
+        // The remaining batches of the first run not finished.
+        int run = -1, pick = -1;
+        for (int b = 0; b < batches[r]; ++b) {
+          if (phase[r][static_cast<size_t>(b)] == 3) continue;
+          if (run < 0) run = run_of_batch[r][static_cast<size_t>(b)];
+          if (run_of_batch[r][static_cast<size_t>(b)] != run) break;
+          if (pick < 0) pick = b;
+          bool paired_posted = true;
+          for (size_t k : members[r][static_cast<size_t>(b)]) {
+            const int peer = ops[r][k].peer;
+            if (phase[peer][static_cast<size_t>(batch_of_op[peer][partner[r][k]])] < 1) paired_posted = false;
+          }
+          if (paired_posted) {
+            pick = b;
+            break;
+          }
+        }
+        current[r] = pick;
+        phase[r][static_cast<size_t>(pick)] = 1;
+        taken[r].push_back(pick);
+        progress = true;
+      }
+      int& p = phase[r][static_cast<size_t>(current[r])];
+      const int before = p;
+      if (p == 1 && partners_reached(r, current[r], 1)) p = 2;
+      if (p == 2 && partners_reached(r, current[r], 2)) {
+        p = 3;
+        current[r] = -1;
+        ++done[r];
+      }
+      progress = progress || p != before;
+    }
+  }
+  bool all_done = true;
+  for (int r = 0; r < pp; ++r) {
+    if (done[r] == batches[r]) continue;
+    all_done = false;
+    TORCH_CHECK(completes != nullptr, "schedule '", schedule.name,
+                "': with sends that block until received, rank ", r, " waits forever in its message batch ", done[r],
+                " (", name(ops[r][members[r][static_cast<size_t>(current[r] < 0 ? 0 : current[r])].front()].id),
+                ", ...)");
+    // Not required: the batches not reached keep their order of appearance.
+    for (int b = 0; b < batches[r]; ++b)
+      if (phase[r][static_cast<size_t>(b)] != 3 && b != current[r]) taken[r].push_back(b);
+  }
+  if (completes != nullptr) *completes = all_done;
+  std::vector<std::vector<int>> out(pp);
+  for (int r = 0; r < pp; ++r) {
+    std::vector<int> position(static_cast<size_t>(batches[r]));
+    for (size_t t = 0; t < taken[r].size(); ++t) position[static_cast<size_t>(taken[r][t])] = static_cast<int>(t);
+    out[r].assign(schedule.ranks[r].size(), -1);
+    for (size_t k = 0; k < ops[r].size(); ++k)
+      out[r][ops[r][k].action] = position[static_cast<size_t>(batch_of_op[r][k])];
+  }
+  return out;
+}
+
+void check_message_batches(const Schedule& schedule) { message_batches(schedule, nullptr); }
+
 }  // namespace parallel
 }  // namespace tessera

@@ -484,7 +484,7 @@ double ShardedModule::global_mean(const at::Tensor& value) const {
   TORCH_CHECK(value.defined() && value.numel() == 1, "ShardedModule::global_mean: needs a one-element tensor, got ",
               value.defined() ? value.sizes() : at::IntArrayRef{});
   at::Tensor total = at::tensor({value.detach().to(at::kDouble).item<double>()}, at::kDouble);
-  group_->all_reduce(total);
+  group_->control()->all_reduce(total);
   return total.item<double>() / group_->size();
 }
 

@@ -68,8 +68,8 @@ class PieceNorms : public WholeNorms {
     at::Tensor table = whole_table(pieces, squares);
     for (size_t i = 0; i < pieces.size(); ++i) squares[static_cast<int64_t>(i)].copy_(table[row(pieces[i])]);
   }
-  double total(const std::vector<at::Tensor>& pieces, at::Tensor squares) const override {
-    return whole_table(pieces, squares).select(1, 0).sum().item<double>();
+  at::Tensor total(const std::vector<at::Tensor>& pieces, at::Tensor squares) const override {
+    return whole_table(pieces, squares).select(1, 0).sum().view({1});
   }
 
  private:
@@ -79,15 +79,16 @@ class PieceNorms : public WholeNorms {
     return it->second;
   }
   at::Tensor whole_table(const std::vector<at::Tensor>& pieces, const at::Tensor& squares) const {
-    at::Tensor table = at::zeros({static_cast<int64_t>(module_params_.size()), squares.size(1)}, at::kDouble);
+    // On the squares' device (Note [One host sync per step] in whole_norms.cpp).
+    at::Tensor table = at::zeros({static_cast<int64_t>(module_params_.size()), squares.size(1)}, squares.options());
     for (size_t i = 0; i < pieces.size(); ++i) table[row(pieces[i])] += squares[static_cast<int64_t>(i)];
-    table.div_(replicas_);
+    table.div_(replicas_.to(squares.device()));
     if (groups_.size() == 1) {
       groups_[0]->all_reduce(table);
     } else {  // each row over its own group, the groups in the same order on every rank
       at::Tensor summed = at::zeros_like(table);
       for (size_t g = 0; g < groups_.size(); ++g) {
-        at::Tensor part = table * masks_[g];
+        at::Tensor part = table * masks_[g].to(squares.device());
         groups_[g]->all_reduce(part);
         summed += part;
       }

@@ -25,37 +25,57 @@ PlacementNorms::PlacementNorms(const nn::NamedPlacements& placements) {
 void PlacementNorms::reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const {
   // Summing over each shard group in turn sums over their product.
   for (size_t g = 0; g < groups_.size(); ++g) {
-    at::Tensor mask = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
+    std::vector<double> flags(params.size(), 0.0);
     for (size_t i = 0; i < params.size(); ++i) {
       auto it = groups_of_.find(params[i].unsafeGetTensorImpl());
-      if (it != groups_of_.end() && std::count(it->second.begin(), it->second.end(), g))
-        mask[static_cast<int64_t>(i)] = 1.0;
+      if (it != groups_of_.end() && std::count(it->second.begin(), it->second.end(), g)) flags[i] = 1.0;
     }
+    const at::Tensor mask =
+        at::tensor(flags, at::kDouble).view({static_cast<int64_t>(params.size()), 1}).to(squares.device());
     at::Tensor summed = squares * mask;
     groups_[g]->all_reduce(summed);
     squares = summed + squares * (1.0 - mask);
   }
 }
 
-double WholeNorms::total(const std::vector<at::Tensor>& params, at::Tensor squares) const {
+at::Tensor WholeNorms::total(const std::vector<at::Tensor>& params, at::Tensor squares) const {
   reduce(params, squares);
-  return squares.select(1, 0).sum().item<double>();
+  return squares.select(1, 0).sum().view({1});
 }
 
 namespace {
 
-// [n, 1] local squared norms of the tensors (or their gradients).
+// Note [One host sync per step]
+// Norms stay on the parameters' device: each tensor's squared norm is a
+// device scalar, the table is stacked there, reduced over the groups there
+// (device tensors on the device channel), and clipping reads the total once
+// (the step's one device-to-host read for norms); the loss scaler's
+// overflow check is fused the same way. The per-tensor .item() this
+// replaces was one synchronisation per parameter on a GPU.
+
+// [n, 1] local squared norms of the tensors (or their gradients), float64 on
+// their device.
 at::Tensor local_squares(const std::vector<at::Tensor>& params, bool gradients) {
   at::NoGradGuard no_grad;
-  at::Tensor squares = at::zeros({static_cast<int64_t>(params.size()), 1}, at::kDouble);
-  auto acc = squares.accessor<double, 2>();
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor t = gradients ? params[i].grad() : params[i];
-    if (!t.defined()) continue;
-    const double n = t.detach().to(at::kDouble).norm().item<double>();
-    acc[static_cast<int64_t>(i)][0] = n * n;
+  c10::Device device(c10::kCPU);
+  for (const auto& p : params) {
+    device = p.device();
+    break;
   }
-  return squares;
+  const at::Tensor zero = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  std::vector<at::Tensor> rows;
+  rows.reserve(params.size());
+  for (const auto& p : params) {
+    const at::Tensor t = gradients ? p.grad() : p;
+    if (!t.defined()) {
+      rows.push_back(zero);
+      continue;
+    }
+    const at::Tensor n = t.detach().to(at::kDouble).norm();
+    rows.push_back((n * n).view({1}));
+  }
+  if (rows.empty()) return at::zeros({0, 1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  return at::stack(rows);
 }
 
 }  // namespace
@@ -71,11 +91,11 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, co
   TORCH_CHECK(max_norm > 0 && std::isfinite(max_norm),
               "clip_grad_norm: max_norm must be a positive finite number, got ", max_norm);
   at::Tensor squares = local_squares(params, /*gradients=*/true);
-  at::Tensor total =
-      at::tensor({norms != nullptr ? norms->total(params, squares) : squares.sum().item<double>()}, at::kDouble);
+  at::Tensor total = norms != nullptr ? norms->total(params, squares) : squares.sum().view({1});
+  total = total.contiguous();
   for (const auto& group : across)
     if (group && group->size() > 1) group->all_reduce(total);
-  const double norm = std::sqrt(total.item<double>());
+  const double norm = std::sqrt(total.item<double>());  // Note [One host sync per step]
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     at::NoGradGuard no_grad;

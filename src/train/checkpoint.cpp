@@ -61,6 +61,8 @@ void write_text(const std::string& path, const std::string& text) {
 void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pieces, const std::string& metadata_json,
                      const comm::CommunicatorPtr& world, const CheckpointOptions& options) {
   TORCH_CHECK(world != nullptr, "save_checkpoint: the communicator must not be null");
+  // Flags, descriptions and the barrier are host data (Note [Control traffic]).
+  const comm::CommunicatorPtr control = world->control();
   Json metadata;
   try {
     metadata = Json::parse(metadata_json.empty() ? "{}" : metadata_json);
@@ -80,7 +82,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
   }
   // Rank 0's error (an unwritable directory) reaches every rank.
   at::Tensor ok = at::tensor({rank == 0 ? (fs::is_directory(partial) ? 1L : 0L) : 1L}, at::kLong);
-  world->all_reduce(ok, {comm::ReduceOp::kMin});
+  control->all_reduce(ok, {comm::ReduceOp::kMin});
   TORCH_CHECK(ok.item<int64_t>() == 1, "save_checkpoint: cannot create the directory ", partial);
 
   Json mine = Json::array();
@@ -141,7 +143,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     error = e.what();
   }
   at::Tensor failed = at::tensor({error.empty() ? 0L : 1L}, at::kLong);
-  world->all_reduce(failed);
+  control->all_reduce(failed);
   TORCH_CHECK(failed.item<int64_t>() == 0, "save_checkpoint: ", failed.item<int64_t>(),
               " rank(s) could not write their file", error.empty() ? "" : ": ", error);
 
@@ -161,7 +163,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     fs::rename(partial, dir);
     fs::remove_all(old, ec);
   }
-  world->barrier();
+  control->barrier();
 }
 
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {

@@ -205,7 +205,7 @@ StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& target
 
   // The loss of the global batch: pipeline ranks agree already; mean over data.
   at::Tensor loss = at::tensor({local_loss}, at::kDouble);
-  auto data = ctx_->comm(context::ParallelMode::kData);
+  auto data = ctx_->comm(context::ParallelMode::kData)->control();  // a host scalar
   if (data->size() > 1) {
     data->all_reduce(loss);
     loss /= data->size();
@@ -235,7 +235,7 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
     local = model_.loss(out, targets).item<double>();
   }
   at::Tensor loss = at::tensor({local}, at::kDouble);
-  auto data = ctx_->comm(context::ParallelMode::kData);
+  auto data = ctx_->comm(context::ParallelMode::kData)->control();  // a host scalar
   if (data->size() > 1) {
     data->all_reduce(loss);
     loss /= data->size();

@@ -11,18 +11,17 @@
 // collective, so it is for debugging, not for production runs.
 #include "tessera/comm/communicator.h"
 
-#include <c10/core/Device.h>
-
 #include <functional>
+#include <memory>
 
 namespace tessera {
 namespace comm {
 
-class CheckedCommunicator : public Communicator {
+class CheckedCommunicator : public Communicator, public std::enable_shared_from_this<CheckedCommunicator> {
  public:
-  // Descriptors are exchanged as int64 tensors on `check_device`, which must
-  // be a device the inner backend accepts (CPU for MPI, the GPU for NCCL).
-  CheckedCommunicator(CommunicatorPtr inner, c10::Device check_device);
+  // Descriptors are exchanged as int64 CPU tensors over inner->control()
+  // (Note [Control traffic]); the control channel is checked too.
+  explicit CheckedCommunicator(CommunicatorPtr inner);
 
   const CommunicatorPtr& inner() const { return inner_; }
 
@@ -41,6 +40,9 @@ class CheckedCommunicator : public Communicator {
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   WorkPtr barrier(const BarrierOptions& options = {}) override;
+  // Each send's descriptor goes ahead of the batch; each receive checks it.
+  WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
@@ -50,7 +52,8 @@ class CheckedCommunicator : public Communicator {
   void check_collective(Call call, const std::function<void()>& validate);
 
   CommunicatorPtr inner_;
-  c10::Device check_device_;
+  CommunicatorPtr channel_;  // inner_->control(): where descriptors travel
+  std::shared_ptr<CheckedCommunicator> control_;  // null when inner_ is its own control channel
 };
 
 }  // namespace comm

@@ -11,10 +11,22 @@
 // Every collective must be called by every rank of the communicator, in the
 // same order. Tensors must be contiguous. Sizes are checked locally and, in
 // checked mode, across ranks.
+//
+// Note [Control traffic]
+// A group has two channels: the communicator itself, for tensors on the
+// job's device, and control(), a host (MPI) communicator for what the
+// library itself exchanges in CPU memory: scalars read by the host (loss
+// means), strings, message headers, agreement flags. NCCL accepts only CUDA
+// tensors, so control traffic never goes to the device channel. Under MPI
+// both channels are MPI communicators (control() a duplicate), so the two
+// kinds of traffic never match each other's messages. c10d keeps one
+// backend per device type for the same reason.
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -102,15 +114,42 @@ struct AllToAllOptions {
   bool async = false;
 };
 
+// There are no tags: messages between one pair of ranks match in the order
+// they are posted (NCCL has no tags, and MPI's non-overtaking rule gives the
+// same order), so both sides must post them in one order.
 struct SendOptions {
-  int tag = 0;
   bool async = false;
 };
 
 struct RecvOptions {
-  int tag = 0;
   bool async = false;
 };
+
+// One send or receive of a batch (Communicator::batch_isend_irecv).
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;  // the data sent, or the buffer received into
+  int peer = 0;       // rank in the communicator
+};
+
+// Note [Timeouts]
+// Every wait that blocks the host gives up after the communicator's timeout
+// (TESSERA_COMM_TIMEOUT seconds, default 600; 0 waits forever). The rank then
+// throws a TimeoutError naming the operation, the communicator, the
+// operation's sequence number on it and the peers, and marks the
+// communicator and every communicator split from the same world as aborted:
+// their later calls throw at once. Operations still pending are abandoned
+// with their buffers (MPI may still write them), so the process cannot
+// finalize MPI and should end; an uncaught TimeoutError ends it, and mpirun
+// then ends the other ranks.
+class TimeoutError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// TESSERA_COMM_TIMEOUT in seconds (a decimal number; 0 for none), or 600 s.
+std::chrono::milliseconds timeout_from_env();
 
 struct BarrierOptions {
   bool async = false;
@@ -151,13 +190,28 @@ class Communicator {
   virtual WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) = 0;
   virtual WorkPtr barrier(const BarrierOptions& options = {}) = 0;
 
+  // Note [Batched point-to-point]
+  // Posts every op of the list as one group (MPI: all requests at once,
+  // receives first; NCCL: one ncclGroupStart/End), so a batch in which ranks
+  // both send and receive cannot deadlock however the ranks are ordered,
+  // even when a send blocks until its receive is posted. wait() returns once
+  // every op has completed. Ops with one peer match the peer's ops with this
+  // rank in the order they are listed. A rank may list itself as a peer.
+  virtual WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) = 0;
+
+  // The host communicator of this group for control traffic (Note [Control
+  // traffic]): the same ranks in the same order. A control communicator is
+  // its own control().
+  virtual CommunicatorPtr control() = 0;
+
   // Collective over this communicator: ranks with the same color form a new
   // communicator, ordered by key (ties by rank). color < 0 returns nullptr.
   virtual CommunicatorPtr split(int color, int key, const std::string& name) = 0;
 };
 
 // Every rank's string, in rank order, on every rank (lengths all-gathered,
-// then the padded bytes): for descriptions and reports. Collective.
+// then the padded bytes, over group.control()): for descriptions and
+// reports. Collective.
 std::vector<std::string> all_gather_strings(Communicator& group, const std::string& mine);
 
 }  // namespace comm

@@ -6,6 +6,7 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -26,6 +27,8 @@ struct WorldOptions {
   bool check_collectives = checked_mode_from_env();
   // When set, every communicator records into this trace.
   std::shared_ptr<CommTrace> trace;
+  // Note [Timeouts] in communicator.h; 0 waits forever.
+  std::chrono::milliseconds timeout = timeout_from_env();
 
   static bool checked_mode_from_env();
 };

@@ -8,20 +8,48 @@
 
 #include <mpi.h>
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace tessera {
 namespace comm {
 
 class MpiTypes;  // bfloat16/float16 datatypes and reduction ops (src/comm)
+namespace detail {
+class AbortState;
+struct CommInfo;
+struct OpInfo;
+}  // namespace detail
+
+struct MpiOptions {
+  // Note [Timeouts]. With a timeout, synchronous calls are issued as the
+  // nonblocking ones and polled; with none (0), MPI's blocking calls run.
+  std::chrono::milliseconds timeout = timeout_from_env();
+  // Test mode (TESSERA_MPI_SYNC_SENDS=1): every send blocks the host until
+  // its receive is posted (MPI_Ssend; MPI_Issend inside a batch), as an
+  // unbatched NCCL send blocks its stream, so that code which would deadlock
+  // on NCCL deadlocks here too (and times out with a message).
+  bool synchronous_sends = synchronous_sends_from_env();
+  // Shared with the communicators this one belongs with (the NCCL backend
+  // passes its own); null: a new family.
+  std::shared_ptr<detail::AbortState> abort;
+
+  static bool synchronous_sends_from_env();
+};
 
 class MpiCommunicator : public Communicator, public std::enable_shared_from_this<MpiCommunicator> {
  public:
   // A communicator over a duplicate of `comm`, so tessera's traffic never
   // matches the caller's own messages. Needs MPI initialized (MpiRuntime).
-  static std::shared_ptr<MpiCommunicator> create(MPI_Comm comm, const std::string& name);
-  static std::shared_ptr<MpiCommunicator> world() { return create(MPI_COMM_WORLD, "world"); }
+  // Collective over `comm` (it also duplicates the control channel).
+  static std::shared_ptr<MpiCommunicator> create(MPI_Comm comm, const std::string& name,
+                                                 const MpiOptions& options = {});
+  static std::shared_ptr<MpiCommunicator> world(const MpiOptions& options = {}) {
+    return create(MPI_COMM_WORLD, "world", options);
+  }
 
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
@@ -33,6 +61,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   std::string backend() const override { return "mpi"; }
   MPI_Comm handle() const { return comm_; }
   bool cuda_aware() const { return cuda_aware_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;
@@ -44,16 +73,28 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   WorkPtr barrier(const BarrierOptions& options = {}) override;
+  WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
-  MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types);
+  // Takes ownership of `comm`; with_control: also duplicates it into the
+  // control channel (collective).
+  MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types, MpiOptions options,
+                  bool with_control);
+  // Numbers the next operation and says who it waits for (peer -1: all),
+  // after refusing it if the family was aborted.
+  detail::OpInfo begin(const char* op, std::vector<int> peers = {});
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;
   std::shared_ptr<MpiTypes> types_;
+  MpiOptions options_;
+  std::shared_ptr<const detail::CommInfo> info_;
+  std::shared_ptr<MpiCommunicator> control_;  // null on a control channel
   int rank_ = 0;
   int size_ = 1;
+  int64_t seq_ = 0;
   bool cuda_aware_ = false;
 };
 

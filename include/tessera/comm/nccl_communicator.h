@@ -12,6 +12,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -20,6 +21,7 @@ namespace comm {
 
 namespace detail {
 struct NcclState;
+class AbortState;
 }  // namespace detail
 
 class NcclCommunicator final : public Communicator {
@@ -27,8 +29,14 @@ class NcclCommunicator final : public Communicator {
   // Collective over `bootstrap`: duplicates it (the duplicate is kept for
   // split()), broadcasts an NCCL unique id from rank 0 and initialises the
   // NCCL communicator on `cuda_device`. If any rank rejects its device, every
-  // rank throws instead of hanging.
-  static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device, const std::string& name);
+  // rank throws instead of hanging. control() is an MPI communicator over a
+  // duplicate of `bootstrap` (Note [Control traffic]). Host-blocking waits
+  // (barrier) give up after `timeout` and abort the communicator (Note
+  // [Timeouts]); `abort` is shared with the communicators split from this
+  // one (null: a new family).
+  static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device, const std::string& name,
+                                                  std::chrono::milliseconds timeout = timeout_from_env(),
+                                                  std::shared_ptr<detail::AbortState> abort = nullptr);
 
   // Not collective for MPI, but ncclCommDestroy may wait for peers to flush
   // outstanding operations: destroy communicators on all ranks alike.
@@ -51,14 +59,19 @@ class NcclCommunicator final : public Communicator {
   WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
                          const ReduceScatterOptions& options = {}) override;
   WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {}) override;
-  // NCCL has no tags: options.tag is ignored, and messages between a pair of
-  // ranks match in the order the calls are made.
+  // Messages between a pair of ranks match in the order the calls are made.
+  // An unbatched send holds the communication stream until its receive is
+  // posted: a pipeline posts its messages in batches.
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   // Unlike the other operations, a barrier blocks the host: the synchronous
   // call returns, and wait() on the asynchronous one returns, only after all
   // ranks' barriers (and the GPU work queued before them) have completed.
   WorkPtr barrier(const BarrierOptions& options = {}) override;
+
+  // One NCCL group; a rank may send to itself inside it.
+  WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  CommunicatorPtr control() override;
 
   // MPI_Comm_split of the bootstrap communicator, then create() on the child
   // with the same device. Collective over this communicator.

@@ -1,13 +1,7 @@
 #pragma once
-// Point-to-point operations issued together (c10d's batch_isend_irecv), and
-// the ring shift built on them: one implementation that the ring attentions
-// of nn/ use.
-//
-// Every operation of a batch is posted before any is waited on, receives
-// first, so a batch in which every rank both sends and receives cannot
-// deadlock however the ranks are ordered. Messages between one pair of ranks
-// match in the order they were posted (MPI's non-overtaking rule; the NCCL
-// backend issues a batch as one group), so no tags are needed.
+// The ring shift built on batched point-to-point
+// (Communicator::batch_isend_irecv): one implementation that the ring
+// attentions of nn/ use.
 #include "tessera/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
@@ -17,17 +11,6 @@
 
 namespace tessera {
 namespace comm {
-
-struct P2POp {
-  enum class Kind { kSend, kRecv };
-  Kind kind = Kind::kSend;
-  at::Tensor tensor;  // the data sent, or the buffer received into
-  int peer = 0;       // rank in the communicator
-};
-
-// Posts every op (receives first) and returns one Work whose wait() returns
-// once all of them have completed; the received tensors hold their data then.
-WorkPtr batch_isend_irecv(Communicator& comm, const std::vector<P2POp>& ops);
 
 // Sends `send` to rank + 1 and receives `recv` (same shape and dtype) from
 // rank - 1, modulo the size, without blocking; wait() on the result.

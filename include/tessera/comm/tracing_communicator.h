@@ -14,6 +14,7 @@
 #include "tessera/comm/communicator.h"
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -45,9 +46,12 @@ class CommTrace {
   std::map<Key, TraceRecord> records_;
 };
 
-class TracingCommunicator : public Communicator {
+class TracingCommunicator : public Communicator, public std::enable_shared_from_this<TracingCommunicator> {
  public:
-  TracingCommunicator(CommunicatorPtr inner, std::shared_ptr<CommTrace> trace);
+  // The control channel (Note [Control traffic]) records into control_trace,
+  // or into trace when none is given, under the same communicator name.
+  TracingCommunicator(CommunicatorPtr inner, std::shared_ptr<CommTrace> trace,
+                      std::shared_ptr<CommTrace> control_trace = nullptr);
 
   const std::shared_ptr<CommTrace>& trace() const { return trace_; }
   const CommunicatorPtr& inner() const { return inner_; }
@@ -67,6 +71,9 @@ class TracingCommunicator : public Communicator {
   WorkPtr send(const at::Tensor& tensor, int dst, const SendOptions& options = {}) override;
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   WorkPtr barrier(const BarrierOptions& options = {}) override;
+  // Recorded as its sends and receives.
+  WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
@@ -74,6 +81,8 @@ class TracingCommunicator : public Communicator {
 
   CommunicatorPtr inner_;
   std::shared_ptr<CommTrace> trace_;
+  std::shared_ptr<CommTrace> control_trace_;
+  std::shared_ptr<TracingCommunicator> control_;  // null when inner_ is its own control channel
 };
 
 }  // namespace comm

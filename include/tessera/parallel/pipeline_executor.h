@@ -129,6 +129,8 @@ class PipelineExecutor {
   PipelineLossFn loss_;
   Schedule schedule_;
   Schedule forward_schedule_;
+  // Per rank and action: its message batch (Note [Pipeline message batches]).
+  std::vector<std::vector<int>> batches_, forward_batches_;
   std::vector<int64_t> bounds_;
   std::map<int, torch::nn::Sequential> chunks_;  // stage -> its layers, for this rank's stages
   std::vector<at::Tensor> tied_;                 // parameters shared by the first and the last stage

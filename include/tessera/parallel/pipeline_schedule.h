@@ -82,8 +82,17 @@ Schedule make_forward_schedule(int pp, int microbatches, int chunks = 1);
 
 // Adds, around the compute actions of `compute_order` (one list per rank),
 // the receive right before the action that needs it and the send right after
-// the action that produces it.
+// the action that produces it; then align_receives.
 Schedule insert_communication(Schedule compute_order);
+
+// Moves receives earlier so that every rank receives the messages of each
+// sender in the order that sender sends them (Note [Pipeline message
+// batches]: there are no tags). A message that arrives before its action
+// waits in the executor's mailbox. Interleaved 1F1B needs it: a rank sends
+// the next rank both activations (its later chunk) and gradients (its
+// earlier chunk's partner), in an order the receiver's compute does not
+// follow.
+Schedule align_receives(Schedule schedule);
 
 }  // namespace parallel
 }  // namespace tessera

@@ -42,6 +42,33 @@ struct Simulation {
 // deadlock (every unfinished rank waits for a message nobody will send).
 Simulation simulate(const Schedule& schedule, const ActionCosts& costs = {});
 
+// Note [Pipeline message batches]
+// There are no tags: messages between two ranks pair in the order posted.
+// The executor posts a rank's messages in batches, each in two phases: the
+// headers (shape and identity, on the control channel), then the payloads
+// (on the device channel), each phase waited for whole. A batch is the
+// messages of one run of consecutive message actions whose other ends lie
+// in one run of one peer, so each batch pairs with exactly one batch of its
+// peer: the exchange of 1F1B's steady state (send an activation, receive a
+// gradient) is one batch on both sides, while GPipe's last forward send and
+// first gradient receive, which pair with two different runs of the next
+// rank, are two. A schedule is safe when (1) for every ordered pair of
+// ranks, the sender posts its messages in the order the receiver posts its
+// receives, and (2) with sends that block until received (NCCL), the
+// batches complete: a phase completes once the paired batch has posted the
+// same phase.
+//
+// message_batches returns, per rank and action, the batch number of each
+// remote message (numbered in posting order; -1 for compute actions and
+// hand-overs between a rank's own stages). It throws c10::Error naming the
+// schedule, the ranks and the messages when (1) fails, and when (2) fails
+// unless `completes` is given, which then says whether (2) holds.
+// Interleaved 1F1B does not satisfy (2) for every m: the executor then waits
+// for its sends only at the end of the step (fine under MPI, refused under
+// NCCL). check_message_batches throws on either.
+std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* completes = nullptr);
+void check_message_batches(const Schedule& schedule);
+
 // The simulated timeline as text, one row per rank, `chars_per_unit`
 // characters per unit of cost: each action is its letter and micro-batch
 // ("F3", "B3", "I3", "W3"; chunk c > 0 in lower case), padded with '-' to

@@ -27,15 +27,17 @@ namespace parallel {
 class WholeNorms {
  public:
   virtual ~WholeNorms() = default;
-  // squares: [params.size(), k] float64 on the CPU, row i for params[i] as
-  // held here. Collective over the groups the parameters are split over:
+  // squares: [params.size(), k] float64 on the parameters' device, row i
+  // for params[i] as held here; nothing is read to the host (Note [One host
+  // sync per step] in whole_norms.cpp). Collective over the groups the parameters are split over:
   // every rank of them calls it in the same step with the same k.
   virtual void reduce(const std::vector<at::Tensor>& params, at::Tensor& squares) const = 0;
   // The sum over distinct whole parameters of column 0 of `squares` (local
   // squares as for reduce), each parameter once: the same on every rank of
   // the groups. By default the sum of reduce()'s rows, right when every rank
-  // lists each of its parameters once.
-  virtual double total(const std::vector<at::Tensor>& params, at::Tensor squares) const;
+  // lists each of its parameters once. A one-element float64 tensor on the
+  // squares' device.
+  virtual at::Tensor total(const std::vector<at::Tensor>& params, at::Tensor squares) const;
 };
 using WholeNormsPtr = std::shared_ptr<const WholeNorms>;
 

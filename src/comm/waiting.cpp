@@ -1,0 +1,123 @@
+#include "waiting.h"
+
+#include "tessera/comm/mpi_check.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+namespace tessera {
+namespace comm {
+
+std::chrono::milliseconds timeout_from_env() {
+  constexpr double kDefaultSeconds = 600;
+  const char* value = std::getenv("TESSERA_COMM_TIMEOUT");
+  if (value == nullptr || *value == '\0') return std::chrono::milliseconds(static_cast<int64_t>(kDefaultSeconds * 1e3));
+  char* end = nullptr;
+  const double seconds = std::strtod(value, &end);
+  TORCH_CHECK(end != value && *end == '\0' && seconds >= 0 && seconds < 1e9, "TESSERA_COMM_TIMEOUT='", value,
+              "' is not a number of seconds >= 0; use e.g. 600, or 0 to wait forever");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
+}
+
+namespace detail {
+namespace {
+
+std::string describe(const CommInfo& comm, const char* op, int64_t seq) {
+  return fmt::format("{} #{} on communicator '{}' ({}, rank {} of {})", op, seq, comm.name, comm.backend, comm.rank,
+                     comm.size);
+}
+
+std::string peer_list(const OpInfo& op) {
+  const CommInfo& c = *op.comm;
+  std::vector<std::string> parts;
+  auto world = [&](int r) {
+    return r >= 0 && r < static_cast<int>(c.world_ranks.size()) ? c.world_ranks[static_cast<size_t>(r)] : -1;
+  };
+  if (op.peers.empty()) {
+    for (int r = 0; r < c.size; ++r)
+      if (r != c.rank) parts.push_back(fmt::format("{} (world {})", r, world(r)));
+  } else {
+    for (int r : op.peers) parts.push_back(fmt::format("{} (world {})", r, world(r)));
+  }
+  std::string out;
+  for (const auto& part : parts) out += (out.empty() ? "" : ", ") + part;
+  return out;
+}
+
+}  // namespace
+
+void AbortState::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_.load(std::memory_order_relaxed)) return;
+  reason_ = reason;
+  aborted_.store(true, std::memory_order_release);
+}
+
+std::string AbortState::reason() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reason_;
+}
+
+std::shared_ptr<const CommInfo> make_comm_info(MPI_Comm comm, const std::string& name, const std::string& backend,
+                                               std::chrono::milliseconds timeout, std::shared_ptr<AbortState> abort) {
+  auto info = std::make_shared<CommInfo>();
+  info->name = name;
+  info->backend = backend;
+  TESSERA_MPI_CHECK(MPI_Comm_rank(comm, &info->rank));
+  TESSERA_MPI_CHECK(MPI_Comm_size(comm, &info->size));
+  info->timeout = timeout;
+  info->abort = std::move(abort);
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  TESSERA_MPI_CHECK(MPI_Comm_group(comm, &group));
+  TESSERA_MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world));
+  std::vector<int> mine(static_cast<size_t>(info->size));
+  for (int r = 0; r < info->size; ++r) mine[static_cast<size_t>(r)] = r;
+  info->world_ranks.resize(mine.size());
+  const int result = MPI_Group_translate_ranks(group, info->size, mine.data(), world, info->world_ranks.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  TESSERA_MPI_CHECK(result);
+  return info;
+}
+
+void check_not_aborted(const CommInfo& comm, const char* op) {
+  if (!comm.abort || !comm.abort->aborted()) return;
+  TORCH_CHECK(false, op, " on communicator '", comm.name, "': refused, the communicators of this job were aborted ",
+              "after an earlier timeout: ", comm.abort->reason());
+}
+
+void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::function<void()>& on_abort) {
+  using Clock = std::chrono::steady_clock;
+  const CommInfo& c = *op.comm;
+  check_not_aborted(c, op.op);
+  const auto start = Clock::now();
+  for (int64_t polls = 0;; ++polls) {
+    if (test()) return;
+    // Another operation of the family timed out: its ranks are gone.
+    check_not_aborted(c, op.op);
+    if (polls < 100) continue;
+    if (polls < 2000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(polls < 20000 ? 20 : 200));
+    }
+    if (c.timeout.count() > 0 && Clock::now() - start >= c.timeout) break;
+  }
+  const std::string message = fmt::format(
+      "tessera: {} did not complete within {:g} s. Peers (rank in the communicator, world rank): {}. One of them "
+      "stalled, died or called a different operation; their own messages say which. This rank has aborted "
+      "'{}' and every communicator split from the same world: end the process (MPI cannot finalize with the "
+      "operation pending). TESSERA_COMM_TIMEOUT sets the limit in seconds.",
+      describe(c, op.op, op.seq), static_cast<double>(c.timeout.count()) / 1e3, peer_list(op), c.name);
+  if (on_abort) on_abort();
+  if (c.abort) c.abort->abort(describe(c, op.op, op.seq) + " timed out");
+  throw TimeoutError(message);
+}
+
+}  // namespace detail
+}  // namespace comm
+}  // namespace tessera

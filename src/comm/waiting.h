@@ -1,0 +1,74 @@
+#pragma once
+// Timed waits and the abort state they share (Note [Timeouts] in
+// communicator.h). Internal to comm/.
+#include "tessera/comm/communicator.h"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace comm {
+namespace detail {
+
+// Shared by a world communicator, its control channel and everything split
+// from them: once one of them times out, all refuse further operations.
+class AbortState {
+ public:
+  // Keeps the first reason.
+  void abort(const std::string& reason);
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  std::string reason() const;
+
+ private:
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mutex_;
+  std::string reason_;
+};
+
+// What a timeout message says about the communicator; one per communicator,
+// shared by its outstanding operations.
+struct CommInfo {
+  std::string name;
+  std::string backend;
+  int rank = 0;
+  int size = 1;
+  std::vector<int> world_ranks;  // of every rank of the communicator
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<AbortState> abort;
+};
+
+// The info of a communicator over `comm` (its world ranks translated).
+std::shared_ptr<const CommInfo> make_comm_info(MPI_Comm comm, const std::string& name, const std::string& backend,
+                                               std::chrono::milliseconds timeout, std::shared_ptr<AbortState> abort);
+
+// One operation being waited for.
+struct OpInfo {
+  std::shared_ptr<const CommInfo> comm;
+  const char* op = "";  // a static name: "all_reduce", "batch_isend_irecv", ...
+  int64_t seq = 0;      // the operation's number on its communicator, from 1
+  std::vector<int> peers;  // ranks in the communicator; empty: all of them
+};
+
+// Throws, naming the communicator and the first timed-out operation, if the
+// communicator was aborted.
+void check_not_aborted(const CommInfo& comm, const char* op);
+
+// Calls test() until it returns true. Spins first (low latency), then
+// yields, then sleeps in short steps (oversubscribed ranks need the core).
+// After the communicator's timeout (none when zero), aborts the
+// communicator's family and throws TimeoutError; `on_abort` runs first
+// (the NCCL backend aborts its communicator there).
+void wait_until(const std::function<bool()>& test, const OpInfo& op,
+                const std::function<void()>& on_abort = nullptr);
+
+}  // namespace detail
+}  // namespace comm
+}  // namespace tessera
