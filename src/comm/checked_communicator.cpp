@@ -268,12 +268,14 @@ class CheckedP2PWork : public Work {
 }  // namespace
 
 WorkPtr CheckedCommunicator::send(const at::Tensor& tensor, int dst, const SendOptions& options) {
+  check_rank(*this, OpType::kSend, "destination", dst, /*allow_self=*/false);  // only a batch may send to itself
   auto work = batch_isend_irecv({{P2POp::Kind::kSend, tensor, dst}});
   if (!options.async) work->wait();
   return work;
 }
 
 WorkPtr CheckedCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
+  check_rank(*this, OpType::kRecv, "source", src, /*allow_self=*/false);
   auto work = batch_isend_irecv({{P2POp::Kind::kRecv, tensor, src}});
   if (!options.async) work->wait();
   return work;

@@ -176,7 +176,7 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
   TORCH_CHECK(completes || group_->backend().find("nccl") == std::string::npos, "pipeline: the ",
               schedule_.name, " schedule with pp ", schedule_.pp, " and ", options_.microbatches(),
               " micro-batches has message batches that deadlock when sends block until received, as NCCL's do "
-              "(Note [Pipeline message batches]); use 1f1b, zb-h1 or zb-h2, another number of micro-batches, or "
+              "(Note [Pipeline message batches]); use gpipe, 1f1b or zb-h1, another number of micro-batches, or "
               "the mpi backend");
 }
 

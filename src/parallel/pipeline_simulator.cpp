@@ -287,6 +287,21 @@ std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* co
       batch_of_op[r].push_back(it->second);
     }
   }
+  // Batches of one run may interleave in action order; one that holds a
+  // later message of a direction (peer, send or receive) than another
+  // batch must come after it, or the order per pair would cross.
+  std::vector<std::vector<std::vector<int>>> before(pp);  // [rank][batch] -> batches that must come first
+  for (int r = 0; r < pp; ++r) {
+    before[r].resize(static_cast<size_t>(batches[r]));
+    std::map<std::pair<int, bool>, int> last;  // (peer, send) -> batch of the latest such op in the run
+    for (size_t k = 0; k < ops[r].size(); ++k) {
+      if (k > 0 && ops[r][k].run != ops[r][k - 1].run) last.clear();
+      const int b = batch_of_op[r][k];
+      auto it = last.find({ops[r][k].peer, ops[r][k].send});
+      if (it != last.end() && it->second != b) before[r][static_cast<size_t>(b)].push_back(it->second);
+      last[{ops[r][k].peer, ops[r][k].send}] = b;
+    }
+  }
   // (2) phases per batch: 0 not reached, 1 headers posted, 2 payloads posted, 3 done.
   // A rank takes the batches of its current run one at a time, first one
   // whose paired batch is already posted (else the first left), so a run's
@@ -316,31 +331,41 @@ std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* co
   };
   std::vector<int> current(pp, -1), done(pp, 0);
   std::vector<std::vector<int>> taken(pp);  // batches in the order taken
+  // The batch rank r takes next from its current run: the only one left,
+  // else the first whose paired batches are posted, else (force) the first.
+  auto choose = [&](int r, bool force) {
+    int run = -1, first = -1, count = 0;
+    for (int b = 0; b < batches[r]; ++b) {
+      if (phase[r][static_cast<size_t>(b)] == 3) continue;
+      if (run < 0) run = run_of_batch[r][static_cast<size_t>(b)];
+      if (run_of_batch[r][static_cast<size_t>(b)] != run) break;
+      bool ready = true;
+      for (int a : before[r][static_cast<size_t>(b)]) ready = ready && phase[r][static_cast<size_t>(a)] == 3;
+      if (!ready) continue;
+      ++count;
+      if (first < 0) first = b;
+      bool paired_posted = true;
+      for (size_t k : members[r][static_cast<size_t>(b)]) {
+        const int peer = ops[r][k].peer;
+        if (phase[peer][static_cast<size_t>(batch_of_op[peer][partner[r][k]])] < 1) paired_posted = false;
+      }
+      if (paired_posted) return b;
+    }
+    return count == 1 || force ? first : -1;
+  };
+  auto take = [&](int r, int b) {
+    current[r] = b;
+    phase[r][static_cast<size_t>(b)] = 1;
+    taken[r].push_back(b);
+  };
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < pp; ++r) {
       if (current[r] < 0) {
         if (done[r] == batches[r]) continue;
-        // The remaining batches of the first run not finished.
-        int run = -1, pick = -1;
-        for (int b = 0; b < batches[r]; ++b) {
-          if (phase[r][static_cast<size_t>(b)] == 3) continue;
-          if (run < 0) run = run_of_batch[r][static_cast<size_t>(b)];
-          if (run_of_batch[r][static_cast<size_t>(b)] != run) break;
-          if (pick < 0) pick = b;
-          bool paired_posted = true;
-          for (size_t k : members[r][static_cast<size_t>(b)]) {
-            const int peer = ops[r][k].peer;
-            if (phase[peer][static_cast<size_t>(batch_of_op[peer][partner[r][k]])] < 1) paired_posted = false;
-          }
-          if (paired_posted) {
-            pick = b;
-            break;
-          }
-        }
-        current[r] = pick;
-        phase[r][static_cast<size_t>(pick)] = 1;
-        taken[r].push_back(pick);
+        const int pick = choose(r, false);
+        if (pick < 0) continue;  // decide once a peer has posted
+        take(r, pick);
         progress = true;
       }
       int& p = phase[r][static_cast<size_t>(current[r])];
@@ -353,6 +378,15 @@ std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* co
       }
       progress = progress || p != before;
     }
+    // Nobody can move: the first undecided rank takes its first batch.
+    for (int r = 0; r < pp && !progress; ++r) {
+      if (current[r] >= 0 || done[r] == batches[r]) continue;
+      const int pick = choose(r, true);
+      TORCH_CHECK(pick >= 0, "schedule '", schedule.name, "': rank ", r, "'s message batches of one run ",
+                  "cannot be ordered without crossing the order of its messages to one peer");
+      take(r, pick);
+      progress = true;
+    }
   }
   bool all_done = true;
   for (int r = 0; r < pp; ++r) {
@@ -362,11 +396,28 @@ std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* co
                 "': with sends that block until received, rank ", r, " waits forever in its message batch ", done[r],
                 " (", name(ops[r][members[r][static_cast<size_t>(current[r] < 0 ? 0 : current[r])].front()].id),
                 ", ...)");
-    // Not required: the batches not reached keep their order of appearance.
-    for (int b = 0; b < batches[r]; ++b)
-      if (phase[r][static_cast<size_t>(b)] != 3 && b != current[r]) taken[r].push_back(b);
   }
   if (completes != nullptr) *completes = all_done;
+  // Not completing: every batch in order of appearance, but after the
+  // batches it must follow.
+  if (!all_done)
+    for (int r = 0; r < pp; ++r) {
+      taken[r].clear();
+      std::vector<bool> placed(static_cast<size_t>(batches[r]), false);
+      for (int n = 0; n < batches[r]; ++n) {
+        int pick = -1;
+        for (int b = 0; b < batches[r] && pick < 0; ++b) {
+          if (placed[static_cast<size_t>(b)]) continue;
+          bool ready = true;
+          for (int a : before[r][static_cast<size_t>(b)]) ready = ready && placed[static_cast<size_t>(a)];
+          if (ready) pick = b;
+        }
+        TORCH_CHECK(pick >= 0, "schedule '", schedule.name, "': rank ", r, "'s message batches of one run ",
+                    "cannot be ordered without crossing the order of its messages to one peer");
+        placed[static_cast<size_t>(pick)] = true;
+        taken[r].push_back(pick);
+      }
+    }
   std::vector<std::vector<int>> out(pp);
   for (int r = 0; r < pp; ++r) {
     std::vector<int> position(static_cast<size_t>(batches[r]));
@@ -375,6 +426,21 @@ std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* co
     for (size_t k = 0; k < ops[r].size(); ++k)
       out[r][ops[r][k].action] = position[static_cast<size_t>(batch_of_op[r][k])];
   }
+  // The order the executor posts in (batch, then action) keeps the order per pair.
+  std::map<std::pair<int, int>, std::vector<Id>> posted_sent, posted_received;
+  for (int r = 0; r < pp; ++r) {
+    std::vector<size_t> order(ops[r].size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return out[r][ops[r][a].action] < out[r][ops[r][b].action];
+    });
+    for (size_t k : order) {
+      const Op& o = ops[r][k];
+      (o.send ? posted_sent[{r, o.peer}] : posted_received[{o.peer, r}]).push_back(o.id);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(posted_sent == posted_received, "schedule '", schedule.name,
+                        "': the message batches cross the order of messages between two ranks");
   return out;
 }
 

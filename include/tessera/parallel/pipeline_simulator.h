@@ -63,9 +63,10 @@ Simulation simulate(const Schedule& schedule, const ActionCosts& costs = {});
 // hand-overs between a rank's own stages). It throws c10::Error naming the
 // schedule, the ranks and the messages when (1) fails, and when (2) fails
 // unless `completes` is given, which then says whether (2) holds.
-// Interleaved 1F1B does not satisfy (2) for every m: the executor then waits
-// for its sends only at the end of the step (fine under MPI, refused under
-// NCCL). check_message_batches throws on either.
+// Interleaved 1F1B and ZB-H2 do not satisfy (2) for every pp and m (a rank
+// sends a micro-batch ahead before receiving a gradient while its peer does
+// the reverse): the executor then waits for their sends only at the end of
+// the step (fine under MPI, refused under NCCL). check_message_batches throws on either.
 std::vector<std::vector<int>> message_batches(const Schedule& schedule, bool* completes = nullptr);
 void check_message_batches(const Schedule& schedule);
 
