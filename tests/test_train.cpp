@@ -9,7 +9,8 @@
 // 1D tp4 x dp2 and in one process, and one of 3D as 2D x dp2 and in one
 // process, with the same loss, and one more step
 // from the loaded optimizer state gives the same loss too; the consolidated
-// file equals the full weights; bad input is refused.
+// file equals the full weights; bad input is refused. Host scalars, strings
+// and headers take the groups' control channels, tensors the device ones.
 #include "test_util.h"
 
 #include "reference_gpt.h"
@@ -331,6 +332,87 @@ TEST(Trainer, PipelineEvaluationRunsNoBackward) {
       EXPECT_EQ(p.grad().defined(), g.defined());
       if (g.defined()) EXPECT_TRUE(p.grad().equal(g));
     }
+  }
+}
+
+// Control traffic (Note [Control traffic]) takes each group's host channel
+// and nothing else does: over a training step, an evaluation and a
+// checkpoint save, the device channels carry only tensors of the model
+// (payloads of exactly the activation's size, no header, no loss), and the
+// control channels carry only the headers, the loss's broadcast and mean,
+// and the save's flags, descriptions and barrier. Under NCCL the device
+// channel refuses host tensors, so a scalar moved back onto it fails there.
+TEST(Trainer, ControlTrafficTakesTheHostChannel) {
+  const int n = test::world()->size();
+  std::vector<Layout> cases;
+  if (n == 2)
+    cases = {{"pp2", ParallelConfig().pipeline(2), "ddp", 2}, {"dp2_zero3", ParallelConfig().data(2), "zero3"}};
+  if (n == 4) cases = {{"dp2_pp2_zero3", ParallelConfig().data(2).pipeline(2), "zero3", 2}};
+  if (cases.empty()) GTEST_SKIP() << "runs at 2 and 4 ranks";
+  const int64_t rows = 12, header_bytes = 13 * 8;  // the executor's header: 13 int64 fields
+  for (const Layout& s : cases) {
+    SCOPED_TRACE(s.name);
+    auto device = std::make_shared<comm::CommTrace>(), control = std::make_shared<comm::CommTrace>();
+    auto world = std::make_shared<comm::TracingCommunicator>(test::world(), device, control);
+    auto ctx = context::ParallelContext::create(world, s.parallel);
+    Model r = make_run(ctx, s, 7, 0.0, false);
+    const int dp = ctx->size(ParallelMode::kData), pp = ctx->size(ParallelMode::kPipeline);
+    const std::string pipe = ctx->comm(ParallelMode::kPipeline)->name();
+    const std::string data = ctx->comm(ParallelMode::kData)->name();
+    // Summed over the world.
+    auto sum = [](int64_t v) {
+      at::Tensor t = at::tensor({v}, at::kLong);
+      test::world()->all_reduce(t);
+      return t.item<int64_t>();
+    };
+    // Pipeline messages of one pass (activations, or gradients) over all pipelines.
+    const int64_t messages = dp * s.microbatches * (pp - 1);
+    const int64_t payload_bytes = rows / dp / s.microbatches * kSeq * config().hidden * 4;
+    auto expect_pass = [&](int64_t passes, int64_t data_means) {
+      using comm::OpType;
+      for (OpType op : {OpType::kSend, OpType::kRecv}) {
+        EXPECT_EQ(sum(device->get(pipe, op).calls), passes * messages) << "payloads";
+        EXPECT_EQ(sum(device->get(pipe, op).bytes), passes * messages * payload_bytes) << "payloads only";
+        EXPECT_EQ(sum(control->get(pipe, op).calls), passes * messages) << "headers";
+        EXPECT_EQ(sum(control->get(pipe, op).bytes), passes * messages * header_bytes) << "headers";
+      }
+      EXPECT_EQ(device->get(pipe, OpType::kBroadcast).calls, 0) << "the loss is a host scalar";
+      const int64_t broadcasts = pp > 1 ? 1 : 0;
+      EXPECT_EQ(control->get(pipe, OpType::kBroadcast).calls, broadcasts) << "the loss from the last stage";
+      EXPECT_EQ(control->get(pipe, OpType::kBroadcast).bytes, 8 * broadcasts);
+      EXPECT_EQ(control->get(data, OpType::kAllReduce).calls, data_means) << "the loss's mean over data";
+      EXPECT_EQ(control->get(data, OpType::kAllReduce).bytes, 8 * data_means);
+      const int64_t mine = control->get(pipe, OpType::kSend).calls + control->get(pipe, OpType::kRecv).calls;
+      EXPECT_EQ(control->total().calls, mine + broadcasts + data_means) << "nothing else on the host channels:\n"
+                                                                        << control->to_string();
+    };
+    const int64_t means = dp > 1 ? 1 : 0;
+    auto [x, y] = batch(ctx, rows, 0);
+    device->reset();
+    control->reset();
+    r.trainer->train_step(x, y);
+    {
+      SCOPED_TRACE("train_step");
+      expect_pass(2, means);
+      if (dp > 1) {
+        const int64_t reductions = device->get(data, comm::OpType::kReduceScatter).calls +
+                                   device->get(data, comm::OpType::kAllReduce).calls;
+        EXPECT_GT(reductions, 0) << "gradients reduce over data on the device channel";
+      }
+    }
+    device->reset();
+    control->reset();
+    r.trainer->evaluate(x, y);
+    {
+      SCOPED_TRACE("evaluate");
+      expect_pass(1, means);
+    }
+    device->reset();
+    control->reset();
+    r.trainer->save(shared_dir("control_" + s.name));
+    EXPECT_EQ(device->total().calls, 0) << "a save moves host data only:\n" << device->to_string();
+    EXPECT_GE(control->get(ctx->world()->name(), comm::OpType::kAllReduce).calls, 1) << "the directory's flag";
+    EXPECT_GE(control->get(ctx->world()->name(), comm::OpType::kBarrier).calls, 1);
   }
 }
 
