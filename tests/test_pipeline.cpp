@@ -3,7 +3,8 @@
 // initial weights: every schedule, at the world's pipeline size (1, 2, 4
 // ranks), with 1, p and 2p + 1 micro-batches: the loss of 3 SGD-momentum
 // steps, the gradients of the first and the parameters after the last, within
-// 1e-5 relative (fp32). Bad input is refused with its value.
+// 1e-5 relative (fp32). Every schedule also moves activations far above MPI's
+// eager limits and gives the serial gradients. Bad input is refused with its value.
 #include "test_util.h"
 
 #include "reference_gpt.h"
@@ -400,6 +401,61 @@ TEST(PipelineSplitBackward, InputAndWeightPassesDoEachProductOnce) {
     // for every layer but the first (the batch needs no gradient).
     EXPECT_EQ(totals[0].item<int64_t>(), (kLayers - 1) * m);
     EXPECT_EQ(totals[1].item<int64_t>(), kLayers * m);
+    for (const auto& layer : pipe.local_layers()) {
+      const int i = std::stoi(layer.first);
+      const at::Tensor g = layer.second->named_parameters()["weight"].grad();
+      ASSERT_TRUE(g.defined()) << "layer " << i;
+      EXPECT_LE(test::rel_error(g, serial[i].grad()), kTolerance) << "layer " << i;
+    }
+  }
+}
+
+// Activations of 144 KiB per message, far above Open MPI's eager limits (4
+// KiB in shared memory, 64 KiB over TCP), so a send completes only once its
+// receive is posted, as NCCL's do; the ctest `pipeline_blocking_sends` runs
+// this file again with every device send synchronous
+// (TESSERA_MPI_SYNC_SENDS=1). Every schedule must pair its batches (Note
+// [Pipeline message batches]) and give the serial gradients.
+struct WideLayerImpl : torch::nn::Module {
+  explicit WideLayerImpl(const at::Tensor& w) { weight = register_parameter("weight", w.clone()); }
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(at::matmul(x, weight.t())); }
+  at::Tensor weight;
+};
+TORCH_MODULE(WideLayer);
+
+TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "8 layers fit pipelines of up to 4 ranks with 2 chunks";
+  constexpr int kLayers = 8;
+  constexpr int64_t kWidth = 384, kRows = 96;  // 96 x 384 fp32: 144 KiB per message
+  const int m = p + 1;                         // a steady state on every rank
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < kLayers; ++i) weights.push_back(at::randn({kWidth, kWidth}, gen) / std::sqrt(double(kWidth)));
+  const at::Tensor x = at::randn({kRows * m, kWidth}, gen), y = at::randn({kRows * m, kWidth}, gen);
+  // Serial: plain LibTorch on the same weights.
+  std::vector<at::Tensor> serial;
+  for (const auto& w : weights) serial.push_back(w.clone().requires_grad_(true));
+  at::Tensor h = x;
+  for (const auto& w : serial) h = at::tanh(at::matmul(h, w.t()));
+  const at::Tensor serial_loss = at::mse_loss(h, y);
+  serial_loss.backward();
+
+  auto ctx = pipeline_context();
+  std::vector<Case> cases = {{ScheduleKind::kGPipe, 1},
+                             {ScheduleKind::k1F1B, 1},
+                             {ScheduleKind::kZeroBubbleH1, 1},
+                             {ScheduleKind::kZeroBubbleH2, 1}};
+  if (p > 1) cases.push_back({ScheduleKind::kInterleaved1F1B, 2});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(parallel::to_string(c.kind));
+    torch::nn::Sequential model;
+    for (const auto& w : weights) model->push_back(WideLayer(w));
+    PipelineExecutor pipe(
+        model, ctx, [](const at::Tensor& out, const at::Tensor& t) { return at::mse_loss(out, t); },
+        PipelineOptions().schedule(c.kind).microbatches(m).chunks(c.chunks));
+    const double loss = pipe.run(x, y);
+    EXPECT_NEAR(loss, serial_loss.item<double>(), kTolerance * serial_loss.item<double>());
     for (const auto& layer : pipe.local_layers()) {
       const int i = std::stoi(layer.first);
       const at::Tensor g = layer.second->named_parameters()["weight"].grad();
