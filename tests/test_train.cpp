@@ -19,6 +19,7 @@
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/layer_factory.h"
+#include "tessera/nn/parallel_dropout.h"
 #include "tessera/parallel/flat_bucket.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/safetensors.h"
@@ -560,6 +561,46 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
   }
   c.trainer->train_step(x1, y1);
   EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_stepped, kTolerance * loss_stepped);
+}
+
+// Random streams round trip through a checkpoint (Note [Random states in
+// checkpoints]); a stream of a device this process lacks (a GPU run resumed
+// on a CPU machine) is reported by name, not restored and not an error;
+// a dropout stream of a layer the module lacks is refused.
+TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
+  if (at::hasCUDA()) GTEST_SKIP() << "checks a process without CUDA";
+  auto world = test::world();
+  const int rank = world->rank();
+  const std::string prefix = "rng/" + std::to_string(rank) + "/";
+  torch::nn::Sequential m(nn::ParallelDropout(nn::ParallelDropoutOptions(0.5, 11 + rank)));
+  m->train();
+  const at::Tensor ones = at::ones({256});
+  m->forward(ones);  // the layer's CPU stream exists and has advanced
+  std::vector<train::TensorPiece> pieces = train::random_state_pieces(*m, rank);
+  std::vector<std::string> names;
+  for (const auto& p : pieces) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{prefix + "cpu", prefix + "dropout/0/cpu"}));
+  const at::Tensor mask = m->forward(ones), draw = at::rand({8});  // what follows the saved states
+  for (const std::string device_stream : {"cuda:0", "dropout/0/cuda:0"}) {
+    train::TensorPiece cuda;  // as a GPU run saves them: Philox seed and offset
+    cuda.name = prefix + device_stream;
+    cuda.data = at::zeros({16}, at::kByte);
+    cuda.full_shape = {16};
+    pieces.push_back(cuda);
+  }
+  const std::string dir = shared_dir("rng") + "/ckpt";
+  train::save_checkpoint(dir, pieces, "{}", world);
+  m->forward(ones);
+  at::rand({8});
+  train::CheckpointReader reader(dir);
+  EXPECT_EQ(train::load_random_state_pieces(reader, *m, rank),
+            (std::vector<std::string>{prefix + "cuda:0", prefix + "dropout/0/cuda:0"}));
+  EXPECT_TRUE(m->forward(ones).equal(mask)) << "the dropout stream is restored";
+  EXPECT_TRUE(at::rand({8}).equal(draw)) << "the default CPU generator is restored";
+
+  torch::nn::Sequential none(torch::nn::Identity{});
+  EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(reader, *none, rank); },
+                                "holds the random stream of dropout layer 0 but the module has 0 dropout layers"));
 }
 
 // Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2 and in one process.

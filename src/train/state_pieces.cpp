@@ -1,11 +1,14 @@
 #include "tessera/train/state_pieces.h"
 
+#include "tessera/nn/parallel_dropout.h"
 #include "tessera/optim/param_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include <map>
+#include <mutex>
+#include <set>
 
 namespace tessera {
 namespace train {
@@ -148,6 +151,108 @@ void load_buffer_pieces(const CheckpointReader& reader, torch::nn::Module& modul
                 "' has shape ", c10::IntArrayRef(reader.full_shape(key)), ", the module's has ", b.value().sizes());
     b.value().copy_(reader.full(key));
   }
+}
+
+namespace {
+
+// The dropout layers of a module, each once, in a fixed order.
+std::vector<nn::ParallelDropoutImpl*> dropouts(torch::nn::Module& module) {
+  std::vector<nn::ParallelDropoutImpl*> out;
+  std::set<const void*> seen;
+  for (const auto& m : module.modules())
+    if (auto* d = dynamic_cast<nn::ParallelDropoutImpl*>(m.get()); d != nullptr && seen.insert(d).second)
+      out.push_back(d);
+  return out;
+}
+
+std::string rng_prefix(int rank) { return "rng/" + std::to_string(rank) + "/"; }
+
+// The CUDA devices holding the module's tensors, in index order.
+std::set<c10::DeviceIndex> cuda_devices(torch::nn::Module& module) {
+  std::set<c10::DeviceIndex> out;
+  for (const auto& t : module.parameters())
+    if (t.defined() && t.is_cuda()) out.insert(t.device().index());
+  for (const auto& t : module.buffers())
+    if (t.defined() && t.is_cuda()) out.insert(t.device().index());
+  return out;
+}
+
+bool have_device(const c10::Device& device) {
+  if (device.is_cpu()) return true;
+  return device.is_cuda() && at::hasCUDA() && device.index() < static_cast<int64_t>(at::getNumGPUs());
+}
+
+// A new generator of the device's default kind, in `state`.
+at::Generator generator_in(const c10::Device& device, const at::Tensor& state) {
+  at::Generator gen = at::globalContext().defaultGenerator(device).clone();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+  return gen;
+}
+
+}  // namespace
+
+std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, int global_rank) {
+  std::vector<TensorPiece> out;
+  auto add = [&](const std::string& name, at::Generator gen) {
+    TensorPiece rng;
+    rng.name = rng_prefix(global_rank) + name;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng.data = gen.get_state();
+    }
+    rng.full_shape = rng.data.sizes().vec();
+    out.push_back(std::move(rng));
+  };
+  add("cpu", at::globalContext().defaultGenerator(c10::Device(c10::kCPU)));
+  for (c10::DeviceIndex i : cuda_devices(module)) {
+    const c10::Device device(c10::kCUDA, i);
+    add(device.str(), at::globalContext().defaultGenerator(device));
+  }
+  const auto drops = dropouts(module);
+  for (size_t k = 0; k < drops.size(); ++k)
+    for (const auto& [device, gen] : drops[k]->rng_state()) add("dropout/" + std::to_string(k) + "/" + device, gen);
+  return out;
+}
+
+std::vector<std::string> load_random_state_pieces(const CheckpointReader& reader, torch::nn::Module& module,
+                                                  int global_rank) {
+  const std::string prefix = rng_prefix(global_rank);
+  std::vector<std::string> missing;
+  const auto names = reader.names(prefix);
+  if (names.empty()) return missing;  // saved without random states
+  const auto drops = dropouts(module);
+  std::vector<nn::ParallelDropoutImpl::RngState> streams(drops.size());
+  for (const auto& name : names) {
+    const std::string rest = name.substr(prefix.size());
+    const bool dropout = rest.rfind("dropout/", 0) == 0;
+    size_t layer = 0;
+    std::string device_name = rest;
+    if (dropout) {
+      const size_t slash = rest.find('/', 8);
+      TORCH_CHECK(slash != std::string::npos, "checkpoint ", reader.dir(), ": random stream '", name,
+                  "' is not named dropout/<layer>/<device>");
+      layer = std::stoul(rest.substr(8, slash - 8));
+      device_name = rest.substr(slash + 1);
+      TORCH_CHECK(layer < drops.size(), "checkpoint ", reader.dir(), " holds the random stream of dropout layer ",
+                  layer, " but the module has ", drops.size(), " dropout layers");
+    }
+    const c10::Device device(device_name);
+    if (!have_device(device)) {
+      missing.push_back(name);
+      continue;
+    }
+    const at::Tensor state = reader.full(name);
+    if (dropout) {
+      streams[layer].emplace(device_name, generator_in(device, state));
+    } else {
+      at::Generator gen = at::globalContext().defaultGenerator(device);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  }
+  for (size_t k = 0; k < drops.size(); ++k) drops[k]->set_rng_state(streams[k]);
+  return missing;
 }
 
 }  // namespace train

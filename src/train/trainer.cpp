@@ -1,12 +1,11 @@
 #include "tessera/train/trainer.h"
 
+#include "tessera/core/logging.h"
 #include "tessera/models/gpt.h"
-#include "tessera/nn/parallel_dropout.h"
 #include "tessera/optim/lamb.h"
 #include "tessera/optim/lars.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -14,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
-#include <mutex>
 #include <set>
 
 namespace tessera {
@@ -38,17 +36,6 @@ bool shares_parameters(const torch::nn::Sequential& layers) {
   return false;
 }
 
-// The dropout layers of a module, each once, in a fixed order: their random
-// streams are part of a checkpoint (Note [Dropout seeds]).
-std::vector<nn::ParallelDropoutImpl*> dropouts(torch::nn::Module& module) {
-  std::vector<nn::ParallelDropoutImpl*> out;
-  std::set<const void*> seen;
-  for (const auto& m : module.modules())
-    if (auto* d = dynamic_cast<nn::ParallelDropoutImpl*>(m.get()); d != nullptr && seen.insert(d).second)
-      out.push_back(d);
-  return out;
-}
-
 // The optimizer's family, recorded in a checkpoint: states of one family
 // mean nothing to another (exp_avg of AdamW is not LAMB's).
 std::string optimizer_kind(torch::optim::Optimizer& o) {
@@ -59,8 +46,6 @@ std::string optimizer_kind(torch::optim::Optimizer& o) {
   if (dynamic_cast<optim::Lars*>(&o)) return "lars";
   return "other";
 }
-
-std::string rng_prefix(int rank) { return "rng/" + std::to_string(rank) + "/"; }
 
 at::Tensor rows(const at::Tensor& t, int64_t begin, int64_t count) {
   return t.defined() && t.dim() > 0 ? t.narrow(0, begin, count) : t;
@@ -247,23 +232,8 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
   std::vector<TensorPiece> pieces = optimizer_pieces(*optimizer_, placements_);
   for (auto& b : buffer_pieces(*local_, ctx_->comm(context::ParallelMode::kData)->rank() == 0))
     pieces.push_back(std::move(b));
-  // This rank's CPU generator, for dropout and anything else the user draws.
-  // This rank's random streams: its default CPU generator and its dropout layers'.
-  auto add_stream = [&](const std::string& name, at::Generator gen) {
-    TensorPiece rng;
-    rng.name = rng_prefix(ctx_->global_rank()) + name;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      rng.data = gen.get_state();
-    }
-    rng.full_shape = rng.data.sizes().vec();
-    pieces.push_back(std::move(rng));
-  };
-  add_stream("cpu", at::detail::getDefaultCPUGenerator());
-  const auto drops = dropouts(*local_);
-  for (size_t i = 0; i < drops.size(); ++i)
-    for (const auto& [device, gen] : drops[i]->rng_state())
-      if (gen.device().is_cpu()) add_stream("dropout/" + std::to_string(i) + "/" + device, gen);
+  // This rank's random streams (Note [Random states in checkpoints]).
+  for (auto& r : random_state_pieces(*local_, ctx_->global_rank())) pieces.push_back(std::move(r));
   Json meta;
   meta["step"] = step_;
   meta["world_size"] = ctx_->world()->size();
@@ -298,25 +268,13 @@ std::string Trainer::load(const std::string& dir) {
                          s["skipped"].get<int64_t>()});
   }
   // Random streams belong to a rank's place in the same configuration.
-  const std::string prefix = rng_prefix(ctx_->global_rank());
   if (reader.world_size() == ctx_->world()->size() &&
-      meta.value("parallel", "") == context::to_string(ctx_->config()) && reader.contains(prefix + "cpu")) {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(reader.full(prefix + "cpu"));
-    }
-    const auto drops = dropouts(*local_);
-    for (size_t i = 0; i < drops.size(); ++i) {
-      nn::ParallelDropoutImpl::RngState streams;
-      const std::string mine = prefix + "dropout/" + std::to_string(i) + "/";
-      for (const auto& name : reader.names(mine)) {
-        at::Generator g = at::make_generator<at::CPUGeneratorImpl>();
-        g.set_state(reader.full(name));
-        streams.emplace(name.substr(mine.size()), g);
-      }
-      drops[i]->set_rng_state(streams);
-    }
+      meta.value("parallel", "") == context::to_string(ctx_->config())) {
+    for (const auto& name : load_random_state_pieces(reader, *local_, ctx_->global_rank()))
+      log_warning(ctx_->global_rank(),
+                  "checkpoint {}: random stream '{}' is of a device this process does not have; it is not restored, "
+                  "so the resumed run is not bit-exact",
+                  dir, name);
   }
   return meta.contains("extra") ? meta["extra"].dump() : "{}";
 }

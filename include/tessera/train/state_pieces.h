@@ -48,5 +48,24 @@ std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer);
 // buffer when the checkpoint lacks it or has another shape.
 void load_buffer_pieces(const CheckpointReader& reader, torch::nn::Module& module);
 
+// Note [Random states in checkpoints]
+// A rank's random streams are its default CPU generator ("rng/<rank>/cpu"),
+// the default generator of each CUDA device holding the module's parameters
+// or buffers ("rng/<rank>/cuda:<i>") and each ParallelDropout layer's stream
+// per device ("rng/<rank>/dropout/<k>/<device>", layers in module order).
+// Generator states are CPU byte tensors (CPU: the Mersenne Twister; CUDA:
+// Philox seed and offset), written like any piece. A stream belongs to a
+// rank's place in the grid, so the trainer restores them only into the same
+// world size and configuration. A stream of a device this process does not
+// have (a GPU run resumed on a CPU-only machine) cannot be restored; it is
+// returned by name so that the caller can say so (the run is then not
+// bit-exact), and that dropout layer restarts that device's stream.
+std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, int global_rank);
+
+// Restores the streams saved by random_state_pieces; returns the names of
+// those this process has no device for.
+std::vector<std::string> load_random_state_pieces(const CheckpointReader& reader, torch::nn::Module& module,
+                                                  int global_rank);
+
 }  // namespace train
 }  // namespace tessera
