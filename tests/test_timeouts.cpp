@@ -2,7 +2,9 @@
 // block until received (MPI synchronous sends, as NCCL's do): a stalled
 // rank ends the others with a message naming the operation; unbatched
 // sends that would deadlock on NCCL time out here; batched ones complete.
+#include "tessera/comm/checked_communicator.h"
 #include "tessera/comm/mpi_communicator.h"
+#include "tessera/comm/tracing_communicator.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -112,6 +114,21 @@ TEST(Timeouts, UnbatchedSendsDeadlockUnderBlockingSendsAndBatchesDoNot) {
     MPI_Comm_free(&raw);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// What the pipeline executor asks to choose between paired batches and sends
+// posted ahead (Note [Pipeline message batches]): decorators and the control
+// channel report their device channel's transport.
+TEST(Timeouts, SendsWaitForTheReceiverOnlyInSynchronousMode) {
+  auto plain = comm::MpiCommunicator::create(MPI_COMM_WORLD, "plain", options(0, false));
+  auto sync = comm::MpiCommunicator::create(MPI_COMM_WORLD, "sync", options(0, true));
+  EXPECT_FALSE(plain->sends_wait_for_receiver());
+  EXPECT_TRUE(sync->sends_wait_for_receiver());
+  EXPECT_FALSE(sync->control()->sends_wait_for_receiver()) << "control sends stay eager";
+  auto trace = std::make_shared<comm::CommTrace>();
+  EXPECT_TRUE(std::make_shared<comm::TracingCommunicator>(sync, trace)->sends_wait_for_receiver());
+  EXPECT_TRUE(std::make_shared<comm::CheckedCommunicator>(sync)->sends_wait_for_receiver());
+  EXPECT_FALSE(std::make_shared<comm::CheckedCommunicator>(plain)->sends_wait_for_receiver());
 }
 
 TEST(Timeouts, FromTheEnvironment) {

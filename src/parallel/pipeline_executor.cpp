@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -70,8 +71,13 @@ struct PipelineExecutor::Impl {
   std::vector<at::Tensor> inputs, targets;   // per micro-batch
   std::map<MessageKey, at::Tensor> mailbox;  // messages to this rank's own stages
   comm::CommunicatorPtr control;             // headers and the loss (Note [Control traffic])
-  // The schedule's batches would not complete if sends were waited with
-  // them: sends are posted apart and waited at the end of the step.
+  // Sends wait for their receivers (NCCL): messages go in the paired batches
+  // of message_batches. Otherwise a run's sends are posted first and waited
+  // at the end of the step (Note [Pipeline message batches]).
+  bool paired = false;
+  // Paired, but the schedule's batches would not complete if sends were
+  // waited with them (MPI's synchronous sends only; NCCL refuses it): sends
+  // are posted apart and waited at the end of the step.
   bool sends_block = false;
   std::vector<comm::WorkPtr> sends;
   double loss = 0;
@@ -172,7 +178,8 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
   bool completes = true;
   batches_ = message_batches(schedule_, &completes);
   forward_batches_ = message_batches(forward_schedule_);
-  impl_->sends_block = !completes;
+  impl_->paired = group_->sends_wait_for_receiver();
+  impl_->sends_block = impl_->paired && !completes;
   TORCH_CHECK(completes || group_->backend().find("nccl") == std::string::npos, "pipeline: the ",
               schedule_.name, " schedule with pp ", schedule_.pp, " and ", options_.microbatches(),
               " micro-batches has message batches that deadlock when sends block until received, as NCCL's do "
@@ -295,6 +302,7 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
       at::Tensor payload;  // what is sent; for a receive, filled from its header
       int peer = 0;
     };
+    std::vector<Message> run;                     // in action order
     std::map<int, std::vector<Message>> batches;  // batch number -> its messages, in action order
     std::vector<Action> local;                    // hand-overs between this rank's own stages
     for (; i < actions.size() && !actions[i].is_compute(); ++i) {
@@ -308,7 +316,7 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
         if (schedule_.rank_of(to) == me) {
           st.mailbox[{act, a.microbatch, to}] = t;
         } else {
-          batches[batch].push_back({a, t, schedule_.rank_of(to)});
+          (st.paired ? batches[batch] : run).push_back({a, t, schedule_.rank_of(to)});
         }
         if (!act) slot.input_grad = at::Tensor();
         if (act && st.forward_only) st.slots.erase({a.microbatch, a.stage});  // nothing to keep for a backward
@@ -317,7 +325,7 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
         if (schedule_.rank_of(from) == me) {
           local.push_back(a);
         } else {
-          batches[batch].push_back({a, at::Tensor(), schedule_.rank_of(from)});
+          (st.paired ? batches[batch] : run).push_back({a, at::Tensor(), schedule_.rank_of(from)});
         }
       }
     }
@@ -331,6 +339,40 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
         slot.grad_output = payload;
       }
     };
+    if (!run.empty()) {
+      // Sends do not wait for their receivers: post all of the run's sends,
+      // wait for them at the end of the step, then take its receives.
+      TORCH_INTERNAL_ASSERT(!st.paired);
+      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(), [](auto& w) { return w->is_completed(); }),
+                     st.sends.end());
+      std::vector<comm::P2POp> header_sends, payload_sends, header_recvs, payload_recvs;
+      std::vector<Message*> receiving;
+      for (auto& msg : run) {
+        if (msg.payload.defined()) {
+          const bool act = msg.action.kind == ActionKind::kSendActivation;
+          const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
+          header_sends.push_back({comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to),
+                                  msg.peer});
+          payload_sends.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
+        } else {
+          header_recvs.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
+          receiving.push_back(&msg);
+        }
+      }
+      if (!header_sends.empty()) {
+        st.sends.push_back(st.control->batch_isend_irecv(header_sends));
+        st.sends.push_back(group_->batch_isend_irecv(payload_sends));
+      }
+      if (!header_recvs.empty()) {
+        st.control->batch_isend_irecv(header_recvs)->wait();
+        for (size_t k = 0; k < receiving.size(); ++k) {
+          receiving[k]->payload = empty_from_header(header_recvs[k].tensor, receiving[k]->action, st.device);
+          payload_recvs.push_back({comm::P2POp::Kind::kRecv, receiving[k]->payload, receiving[k]->peer});
+        }
+        group_->batch_isend_irecv(payload_recvs)->wait();
+        for (Message* msg : receiving) deliver(msg->action, msg->payload);
+      }
+    }
     for (auto& [number, messages] : batches) {
       std::vector<comm::P2POp> headers, payloads;
       for (const auto& msg : messages) {

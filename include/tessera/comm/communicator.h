@@ -199,6 +199,13 @@ class Communicator {
   // rank in the order they are listed. A rank may list itself as a peer.
   virtual WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) = 0;
 
+  // Whether a posted send holds back what is ordered after it until the
+  // peer posts the receive: NCCL's hold the stream; MPI's do with
+  // synchronous sends (MpiOptions), the mode that stands in for NCCL on CPU.
+  // When false a caller may post sends, go on and wait for them later; when
+  // true, sends and receives that depend on each other go in one batch.
+  virtual bool sends_wait_for_receiver() const = 0;
+
   // The host communicator of this group for control traffic (Note [Control
   // traffic]): the same ranks in the same order. A control communicator is
   // its own control().

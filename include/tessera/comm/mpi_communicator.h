@@ -74,6 +74,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   WorkPtr recv(at::Tensor& tensor, int src, const RecvOptions& options = {}) override;
   WorkPtr barrier(const BarrierOptions& options = {}) override;
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  bool sends_wait_for_receiver() const override { return options_.synchronous_sends; }
   CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 

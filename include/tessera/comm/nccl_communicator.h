@@ -71,6 +71,7 @@ class NcclCommunicator final : public Communicator {
 
   // One NCCL group; a rank may send to itself inside it.
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  bool sends_wait_for_receiver() const override { return true; }
   CommunicatorPtr control() override;
 
   // MPI_Comm_split of the bootstrap communicator, then create() on the child

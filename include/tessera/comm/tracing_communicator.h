@@ -73,6 +73,7 @@ class TracingCommunicator : public Communicator, public std::enable_shared_from_
   WorkPtr barrier(const BarrierOptions& options = {}) override;
   // Recorded as its sends and receives.
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  bool sends_wait_for_receiver() const override { return inner_->sends_wait_for_receiver(); }
   CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
