@@ -3,7 +3,9 @@
 // modules, nothing from tessera, so that tessera's overhead at tensor size 1
 // shows. Same shapes, same attention arithmetic, c_attn rows grouped per head
 // as in Note [GPT full weights], so tessera's full weights load into it.
+// With LibTorch 2.x its attention is at::scaled_dot_product_attention.
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <limits>
@@ -25,10 +27,16 @@ struct BlockImpl : torch::nn::Module {
     torch::Tensor qkv = c_attn(ln_1(x));
     const int64_t b = qkv.size(0), s = qkv.size(1);
     qkv = qkv.view({b, s, heads, 3, head_dim}).permute({3, 0, 2, 1, 4});
+#if TORCH_VERSION_MAJOR >= 2
+    // The fused kernel (flash or memory-efficient where the device has one).
+    torch::Tensor y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, /*is_causal=*/true);
+#else
     torch::Tensor scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) / std::sqrt(double(head_dim));
-    torch::Tensor causal = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    torch::Tensor causal = torch::ones({s, s}, x.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), qkv[2]).permute({0, 2, 1, 3}).reshape({b, s, -1});
+    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), qkv[2]);
+#endif
+    y = y.permute({0, 2, 1, 3}).reshape({b, s, -1});
     torch::Tensor h = x + attn_proj(y);
     return h + mlp_proj(torch::gelu(c_fc(ln_2(h))));
   }
@@ -47,7 +55,7 @@ struct GPTImpl : torch::nn::Module {
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   }
   torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
-    torch::Tensor x = wte(ids) + wpe(torch::arange(ids.size(1), torch::kLong));
+    torch::Tensor x = wte(ids) + wpe(torch::arange(ids.size(1), ids.options()));
     for (auto& b : blocks) x = b(x);
     torch::Tensor logits = torch::matmul(ln_f(x), wte->weight.t());  // tied head
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));

@@ -9,11 +9,29 @@
 //       [--batch 8] [--vocab 8192] [--steps 4] [--warmup 2] [--rounds 3]
 //       [--tp N] [--tp-mode 1d] [--order ...] (the grid flags of
 //       context::config_from_args; data, pipeline, sequence and expert must be 1)
+//       [--device cpu|cuda] [--dtype fp32|bf16] [--matmul N]
+//
+// --dtype bf16 runs both models with bf16 parameters and activations (AdamW
+// on bf16 parameters: the same arithmetic on both sides). On CUDA rank r
+// uses GPU r mod the device count, and every step ends with a device
+// synchronize. MFU (Note [Model FLOPs]) is measured against the dense
+// matmul peak of the same run: an N x N product in the same dtype on the
+// same device (N = --matmul, default 1024 on CPU, 8192 on CUDA), timed on
+// all ranks at once, as the steps are.
+//
+// Note [Model FLOPs]
+// Per step, forward and backward (3x the forward) of the matrix products a
+// token passes through: per layer 24 h^2 (c_attn 6 h^2, attention's
+// projection 2 h^2, the MLP 16 h^2) and 4 s h for the scores and the
+// weighted values over the whole sequence (the causal half is not taken
+// off), and 2 h V for the tied head. Embeddings, norms, softmax and the
+// optimizer are not counted. Per rank: divided by the tensor size.
 #include "baseline_gpt.h"
 #include "bench_util.h"
 
 #include <tessera/models/gpt.h>
 #include <tessera/tessera.h>
+#include <torch/cuda.h>
 
 #include <fmt/format.h>
 
@@ -26,8 +44,30 @@ namespace {
 struct Args {
   int64_t layers = 4, hidden = 256, heads = 8, seq = 128, batch = 8, vocab = 8192;
   int64_t steps = 4, warmup = 2, rounds = 3;
+  int64_t matmul = 0;  // 0: 1024 on CPU, 8192 on CUDA
+  std::string device = "cpu", dtype = "fp32";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
+
+// Note [Model FLOPs]
+double step_flops(const Args& a) {
+  const double h = double(a.hidden), tokens = double(a.batch * a.seq);
+  const double per_token = double(a.layers) * (24 * h * h + 4 * double(a.seq) * h) + 2 * h * double(a.vocab);
+  return 3 * tokens * per_token;
+}
+
+// FLOP/s of an n x n matmul in `options`, the slowest rank's (all ranks at once).
+double matmul_peak(const at::TensorOptions& options, int64_t n) {
+  at::Tensor x = at::randn({n, n}, options), y = at::randn({n, n}, options);
+  const bool cuda = options.device().is_cuda();
+  const double ms = bench::time_ms(
+      [&] {
+        at::Tensor z = at::matmul(x, y);
+        if (cuda) torch::cuda::synchronize();
+      },
+      {3, 1, 5});
+  return 2.0 * double(n) * double(n) * double(n) / (ms / 1e3);
+}
 
 Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
   Args a;
@@ -40,8 +80,16 @@ Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
                       {"--vocab", &a.vocab},
                       {"--steps", &a.steps},
                       {"--warmup", &a.warmup},
-                      {"--rounds", &a.rounds}},
-                     {}, "the comment at the top of bench/gpt_step.cpp", *grid);
+                      {"--rounds", &a.rounds},
+                      {"--matmul", &a.matmul}},
+                     {{"--device", &a.device}, {"--dtype", &a.dtype}}, "the comment at the top of bench/gpt_step.cpp",
+                     *grid);
+  TORCH_CHECK(a.device == "cpu" || a.device == "cuda", "gpt_step: --device must be cpu or cuda, got '", a.device, "'");
+  TORCH_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "gpt_step: --dtype must be fp32 or bf16, got '", a.dtype, "'");
+  TORCH_CHECK(a.device == "cpu" || torch::cuda::is_available(),
+              "gpt_step: --device cuda, but this LibTorch sees no CUDA device");
+  if (a.matmul == 0) a.matmul = a.device == "cuda" ? 8192 : 1024;
+  TORCH_CHECK(a.matmul > 0, "gpt_step: --matmul must be positive, got ", a.matmul);
   return a;
 }
 
@@ -64,15 +112,27 @@ int main(int argc, char** argv) {
     config.layers = a.layers;
     config.heads = a.heads;
     config.hidden = a.hidden;
+    const bool cuda = a.device == "cuda";
+    const at::Device device =
+        cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rank % int(torch::cuda::device_count())))
+             : at::Device(at::kCPU);
+    const at::ScalarType dtype = a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-    torch::Tensor ids = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong);
-    torch::Tensor targets = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong);
+    torch::Tensor ids = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
+    torch::Tensor targets = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
+    const double peak = matmul_peak(at::TensorOptions().device(device).dtype(dtype), a.matmul);
+    const double flops = step_flops(a) / n;
+    auto sync = [&] {
+      if (cuda) torch::cuda::synchronize();
+    };
 
     for (bool sp : {false, true}) {
       // The variant is the same model at size 1, and belongs to 1D.
       if (sp && (n == 1 || c.tensor_mode() != tessera::context::TensorMode::k1D)) continue;
       torch::manual_seed(0);
       tessera::models::GPT gpt(config, tessera::nn::make_layer_factory(ctx, sp));
+      auto full = gpt->full_state();  // before the cast: the baseline starts from the same values
+      gpt->to(device, dtype);
       torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
       auto tessera_step = [&] {
         opt.zero_grad();
@@ -80,9 +140,11 @@ int main(int argc, char** argv) {
         loss.backward();
         gpt->reduce_partial_gradients();
         opt.step();
+        sync();
       };
       baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
-      base->load(gpt->full_state());
+      base->load(full);
+      base->to(device, dtype);
       const double base_first = base->loss(ids, targets).item<double>();
       const double first = gpt->loss(gpt->forward(ids), targets).item<double>();
       torch::optim::AdamW base_opt(base->parameters(), torch::optim::AdamWOptions(1e-4));
@@ -91,6 +153,7 @@ int main(int argc, char** argv) {
         torch::Tensor loss = base->loss(ids, targets);
         loss.backward();
         base_opt.step();
+        sync();
       };
       // Alternate so that neither profits from running second.
       std::vector<double> ours, theirs;
@@ -103,10 +166,14 @@ int main(int argc, char** argv) {
         fmt::print(
             "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", \"sp_variant\": {}, \"step_ms\": {:.3f}, "
             "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
-            "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}}}\n",
+            "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}, \"device\": \"{}\", \"dtype\": \"{}\", "
+            "\"matmul_n\": {}, \"matmul_peak_tflops\": {:.4f}, \"model_tflop_per_step_per_rank\": {:.5f}, "
+            "\"mfu\": {:.4f}, \"baseline_mfu\": {:.4f}}}\n",
             a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n,
             tessera::context::tensor_mode_name(c.tensor_mode()), sp ? "true" : "false", step_ms,
-            a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first);
+            a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first,
+            cuda ? device.str() : "cpu", a.dtype, a.matmul, peak / 1e12, flops / 1e12,
+            flops / (step_ms / 1e3) / peak, step_flops(a) / (base_ms / 1e3) / peak);
         std::fflush(stdout);
       }
     }

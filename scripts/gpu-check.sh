@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu-checks.md): build tessera against PyTorch's CUDA
 # wheel on a GPU machine that has no MPI and no network, and run the NCCL
-# tests, the data-parallel tests on CUDA and bench/dp_step on CUDA.
+# tests, the data-parallel tests on CUDA, bench/dp_step and bench/gpt_step on CUDA.
 #
 #   scripts/gpu-check.sh fetch [DIR]   here (Debian 12, network): download the
 #                                      Open MPI, fmt, nlohmann-json and
@@ -53,7 +53,7 @@ jobs=$(nproc)
     -DMPI_C_COMPILER=$prefix/usr/bin/mpicc.openmpi -DMPI_CXX_COMPILER=$prefix/usr/bin/mpicxx.openmpi \
     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DTORCH_CUDA_ARCH_LIST=9.0 -DTESSERA_WITH_NCCL=ON \
     -DTESSERA_BUILD_EXAMPLES=OFF &&
-    time cmake --build $build -j "$jobs" --target test_nccl test_data_parallel dp_step
+    time cmake --build $build -j "$jobs" --target test_nccl test_data_parallel dp_step gpt_step
 } > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 tail -3 "$out/build.log"
 
@@ -79,3 +79,11 @@ done
 timeout 60 "${mpirun[@]}" -np 1 $build/bench/dp_step "${bench[@]}" --backend nccl --specs ddp \
   >> "$out/dp_step_cuda.jsonl" 2>> "$out/dp_step_cuda.err"
 echo "dp_step nccl rc=$?"
+
+# GPT-medium shape in bf16 on one GPU: tessera's GPT against the plain
+# LibTorch GPT (scaled_dot_product_attention), MFU against the bf16 matmul
+# peak measured in the same run.
+timeout 300 "${mpirun[@]}" -np 1 $build/bench/gpt_step --layers 24 --hidden 1024 --heads 16 --seq 1024 --batch 8 \
+  --vocab 50304 --device cuda --dtype bf16 --steps 5 --warmup 2 --rounds 3 \
+  >> "$out/gpt_step_cuda.jsonl" 2>> "$out/gpt_step_cuda.err"
+echo "gpt_step cuda bf16 rc=$?"
