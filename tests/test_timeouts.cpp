@@ -93,7 +93,9 @@ TEST(Timeouts, UnbatchedSendsDeadlockUnderBlockingSendsAndBatchesDoNot) {
       EXPECT_NE(message.find("Peers (rank in the communicator, world rank): " + std::to_string(peer)),
                 std::string::npos)
           << message;
-      // Drain the abandoned send so that MPI can finalize.
+      // Drain the abandoned send so that MPI can finalize, once both ranks
+      // have given up: a drain posted earlier would complete the peer's send.
+      MPI_Barrier(raw);
       at::Tensor drain = at::empty_like(mine);
       MPI_Recv(drain.data_ptr(), static_cast<int>(drain.numel()), MPI_FLOAT, peer, 0, comm->handle(),
                MPI_STATUS_IGNORE);
