@@ -294,9 +294,9 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
       continue;
     }
     // A run of consecutive messages: its sends are taken from their slots,
-    // then its batches are exchanged in order, each in two phases: headers
-    // on the control channel, payloads on the device channel (Note
-    // [Pipeline message batches]).
+    // then it is exchanged whole, or batch by batch where sends wait for
+    // their receivers, each exchange in two phases: headers on the control
+    // channel, payloads on the device channel (Note [Pipeline message batches]).
     struct Message {
       Action action;
       at::Tensor payload;  // what is sent; for a receive, filled from its header
@@ -339,71 +339,48 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
         slot.grad_output = payload;
       }
     };
-    if (!run.empty()) {
-      // Sends do not wait for their receivers: post all of the run's sends,
-      // wait for them at the end of the step, then take its receives.
-      TORCH_INTERNAL_ASSERT(!st.paired);
-      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(), [](auto& w) { return w->is_completed(); }),
-                     st.sends.end());
-      std::vector<comm::P2POp> header_sends, payload_sends, header_recvs, payload_recvs;
-      std::vector<Message*> receiving;
-      for (auto& msg : run) {
-        if (msg.payload.defined()) {
-          const bool act = msg.action.kind == ActionKind::kSendActivation;
-          const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
-          header_sends.push_back({comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to),
-                                  msg.peer});
-          payload_sends.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
-        } else {
-          header_recvs.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
-          receiving.push_back(&msg);
-        }
+    // One exchange: headers, then payloads. Where sends may be posted apart
+    // (they do not wait for their receivers, or the batches would not
+    // complete with them), they go first and are waited at the end of the
+    // step; otherwise each phase is one batch with the receives.
+    const bool sends_apart = !st.paired || st.sends_block;
+    auto exchange = [&](std::vector<Message>& messages) {
+      std::vector<comm::P2POp> headers, payloads, header_sends, payload_sends;
+      for (const auto& msg : messages) {
+        if (!msg.payload.defined()) continue;
+        const bool act = msg.action.kind == ActionKind::kSendActivation;
+        const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
+        header_sends.push_back(
+            {comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to), msg.peer});
+        payload_sends.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
       }
-      if (!header_sends.empty()) {
+      if (sends_apart && !header_sends.empty()) {
         st.sends.push_back(st.control->batch_isend_irecv(header_sends));
         st.sends.push_back(group_->batch_isend_irecv(payload_sends));
-      }
-      if (!header_recvs.empty()) {
-        st.control->batch_isend_irecv(header_recvs)->wait();
-        for (size_t k = 0; k < receiving.size(); ++k) {
-          receiving[k]->payload = empty_from_header(header_recvs[k].tensor, receiving[k]->action, st.device);
-          payload_recvs.push_back({comm::P2POp::Kind::kRecv, receiving[k]->payload, receiving[k]->peer});
-        }
-        group_->batch_isend_irecv(payload_recvs)->wait();
-        for (Message* msg : receiving) deliver(msg->action, msg->payload);
-      }
-    }
-    for (auto& [number, messages] : batches) {
-      std::vector<comm::P2POp> headers, payloads;
-      for (const auto& msg : messages) {
-        const bool send = msg.payload.defined();
-        if (send) {
-          const bool act = msg.action.kind == ActionKind::kSendActivation;
-          const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
-          headers.push_back({comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to),
-                             msg.peer});
-          payloads.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
-        } else {
-          headers.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
-        }
-      }
-      st.control->batch_isend_irecv(headers)->wait();
-      for (size_t k = 0; k < messages.size(); ++k) {
-        if (messages[k].payload.defined()) continue;
-        messages[k].payload = empty_from_header(headers[k].tensor, messages[k].action, st.device);
-        payloads.push_back({comm::P2POp::Kind::kRecv, messages[k].payload, messages[k].peer});
-      }
-      if (st.sends_block) {
-        std::vector<comm::P2POp> out, in;
-        for (auto& op : payloads) (op.kind == comm::P2POp::Kind::kSend ? out : in).push_back(op);
-        st.sends.push_back(group_->batch_isend_irecv(out));
-        group_->batch_isend_irecv(in)->wait();
       } else {
-        group_->batch_isend_irecv(payloads)->wait();
+        headers = std::move(header_sends);
+        payloads = std::move(payload_sends);
       }
-      for (size_t k = 0; k < messages.size(); ++k)
-        if (headers[k].kind == comm::P2POp::Kind::kRecv) deliver(messages[k].action, messages[k].payload);
+      std::vector<std::pair<Message*, size_t>> receiving;  // the message, its header's index
+      for (auto& msg : messages) {
+        if (msg.payload.defined()) continue;
+        receiving.emplace_back(&msg, headers.size());
+        headers.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
+      }
+      if (!headers.empty()) st.control->batch_isend_irecv(headers)->wait();
+      for (auto& [msg, k] : receiving) {
+        msg->payload = empty_from_header(headers[k].tensor, msg->action, st.device);
+        payloads.push_back({comm::P2POp::Kind::kRecv, msg->payload, msg->peer});
+      }
+      if (!payloads.empty()) group_->batch_isend_irecv(payloads)->wait();
+      for (auto& [msg, k] : receiving) deliver(msg->action, msg->payload);
+    };
+    if (sends_apart) {
+      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(), [](auto& w) { return w->is_completed(); }),
+                     st.sends.end());
     }
+    if (!run.empty()) exchange(run);
+    for (auto& [number, messages] : batches) exchange(messages);
     for (const auto& a : local) {
       auto it = st.mailbox.find({a.kind == ActionKind::kRecvActivation, a.microbatch, a.stage});
       TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", a.to_string());
