@@ -18,9 +18,14 @@ class LocalAttentionImpl : public torch::nn::Module {
   LocalAttentionImpl(int64_t head_dim, torch::nn::AnyModule dropout);
   // q, k, v [b, heads, tokens, head_dim]; positions [tokens] (their places
   // in the sequence): a query attends to keys at positions <= its own.
+  // With LibTorch 2.x and no dropout drawn it runs the fused kernel (Note
+  // [Fused attention] in attention.cpp).
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
 
  private:
+  // The dropout is a ParallelDropout that draws nothing (eval, or p = 0).
+  bool draws_nothing() const;
+
   int64_t head_dim_;
   torch::nn::AnyModule dropout_;
 };
