@@ -566,7 +566,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
 // Random streams round trip through a checkpoint (Note [Random states in
 // checkpoints]); a stream of a device this process lacks (a GPU run resumed
 // on a CPU machine) is reported by name, not restored and not an error;
-// a dropout stream of a layer the module lacks is refused.
+// a dropout stream of a layer the module lacks, or misnamed, is refused.
 TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
   if (at::hasCUDA()) GTEST_SKIP() << "checks a process without CUDA";
   auto world = test::world();
@@ -601,6 +601,14 @@ TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
   torch::nn::Sequential none(torch::nn::Identity{});
   EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(reader, *none, rank); },
                                 "holds the random stream of dropout layer 0 but the module has 0 dropout layers"));
+
+  train::TensorPiece odd = pieces.front();
+  odd.name = prefix + "dropout/first/cpu";
+  const std::string bad = shared_dir("rng_bad") + "/ckpt";
+  train::save_checkpoint(bad, {odd}, "{}", world);
+  train::CheckpointReader bad_reader(bad);
+  EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(bad_reader, *m, rank); },
+                                "is not named dropout/<layer>/<device>"));
 }
 
 // Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2 and in one process.

@@ -230,9 +230,10 @@ std::vector<std::string> load_random_state_pieces(const CheckpointReader& reader
     std::string device_name = rest;
     if (dropout) {
       const size_t slash = rest.find('/', 8);
-      TORCH_CHECK(slash != std::string::npos, "checkpoint ", reader.dir(), ": random stream '", name,
-                  "' is not named dropout/<layer>/<device>");
-      layer = std::stoul(rest.substr(8, slash - 8));
+      const std::string number = slash == std::string::npos ? "" : rest.substr(8, slash - 8);
+      TORCH_CHECK(!number.empty() && number.size() < 10 && number.find_first_not_of("0123456789") == std::string::npos,
+                  "checkpoint ", reader.dir(), ": random stream '", name, "' is not named dropout/<layer>/<device>");
+      layer = std::stoul(number);
       device_name = rest.substr(slash + 1);
       TORCH_CHECK(layer < drops.size(), "checkpoint ", reader.dir(), " holds the random stream of dropout layer ",
                   layer, " but the module has ", drops.size(), " dropout layers");
