@@ -13,6 +13,12 @@
 #include "tessera/parallel/sharded_optimizer.h"
 
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include <csignal>
+#include <iostream>
 #include <torch/torch.h>
 
 namespace tessera {
@@ -386,6 +392,141 @@ TEST_F(DataParallelOptions, OffloadedOptimizerAndParametersGiveTheSameSteps) {
   expect_matches_serial(Net::kMLP, "zero2", ShardedModuleOptions(), offload);
   expect_matches_serial(Net::kConv, "zero3", ShardedModuleOptions(), offload);
   expect_matches_serial(Net::kMLP, "{R,P(2),S}", ShardedModuleOptions().offload_params(true), offload);
+}
+
+// Tiles of 64 bytes cut every parameter's piece into a tile of its own, so
+// the swapper walks many tiles through 1, 2 and 3 buffers.
+parallel::DiskOffloadOptions disk(int64_t tile_bytes = 64, int buffers = 3) {
+  return parallel::DiskOffloadOptions().dir(::testing::TempDir()).tile_bytes(tile_bytes).buffers(buffers);
+}
+
+TEST_F(DataParallelOptions, DiskOffloadedOptimizerGivesTheSameSteps) {
+  for (int buffers : {1, 2, 3}) {
+    SCOPED_TRACE(buffers);
+    expect_matches_serial(Net::kMLP, "zero2", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(64, buffers)));
+  }
+  expect_matches_serial(Net::kConv, "zero3", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(256)));
+  expect_matches_serial(Net::kMLP, "{R,P(2),S}", ShardedModuleOptions().bucket_bytes(256),
+                        ShardedOptimizerOptions().disk(disk(128)), 1, Opt::kSGD);
+  expect_matches_serial(Net::kConv, "ddp", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(1 << 20)), 1,
+                        Opt::kAdam);
+}
+
+// Per-element optimizers stepped tile by tile do exactly what one step over
+// every piece does; between steps no optimizer state holds memory.
+TEST_F(DataParallelOptions, DiskOffloadIsBitExactAndKeepsNoStateInMemory) {
+  struct Run {
+    std::vector<double> losses;
+    std::vector<at::Tensor> params;
+    int64_t state_elements = 0;
+    int64_t state_bytes_in_memory = 0;
+    int64_t disk_bytes = 0;
+  };
+  auto run = [](ShardedOptimizerOptions options) {
+    auto model = make_net(Net::kMLP);
+    auto sharded =
+        std::make_shared<ShardedModule>(model, data_context(), ShardedModuleOptions().spec(ShardingSpec::zero2()));
+    ShardedOptimizer opt(sharded, make_optimizer(Opt::kAdamW, model->parameters()), options);
+    Run r;
+    for (int step = 0; step < 5; ++step) r.losses.push_back(parallel_step(Net::kMLP, *sharded, opt, step));
+    {
+      auto full = sharded->full_params();
+      for (const auto& p : model->parameters()) r.params.push_back(p.detach().clone());
+    }
+    for (const auto& entry : opt.inner().state()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+      r.state_elements += s.exp_avg().numel() + s.exp_avg_sq().numel();
+      r.state_bytes_in_memory += static_cast<int64_t>(s.exp_avg().storage().nbytes() + s.exp_avg_sq().storage().nbytes());
+    }
+    r.disk_bytes = opt.disk_bytes();
+    return r;
+  };
+  const Run plain = run({});
+  const Run in_cpu_memory = run(ShardedOptimizerOptions().offload(true));
+  const Run on_disk = run(ShardedOptimizerOptions().disk(disk()));
+  for (const Run* other : {&in_cpu_memory, &on_disk}) {
+    EXPECT_EQ(other->losses, plain.losses);
+    ASSERT_EQ(other->params.size(), plain.params.size());
+    for (size_t i = 0; i < plain.params.size(); ++i) EXPECT_TRUE(at::equal(other->params[i], plain.params[i])) << i;
+  }
+  EXPECT_GT(plain.state_elements, 0);
+  EXPECT_EQ(on_disk.state_elements, plain.state_elements);
+  EXPECT_EQ(on_disk.state_bytes_in_memory, 0);
+  EXPECT_GE(on_disk.disk_bytes, on_disk.state_elements * 4);
+  EXPECT_EQ(plain.disk_bytes, 0);
+}
+
+TEST_F(DataParallelOptions, DiskOffloadRefusesWhatItCannotDo) {
+  auto model = make_net(Net::kMLP);
+  auto sharded = std::make_shared<ShardedModule>(model, data_context(), ShardedModuleOptions().spec(ShardingSpec::zero2()));
+  auto adamw_opt = [&] { return make_optimizer(Opt::kAdamW, model->parameters()); };
+  EXPECT_ERROR_CONTAINS(
+      ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk().dir("/nonexistent/offload"))),
+      "directory '/nonexistent/offload' cannot be used: No such file or directory", "create it first");
+  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().offload(true).disk(disk())),
+                        "are both set; choose one");
+  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk().buffers(0))),
+                        "disk.buffers must be >= 1, got 0");
+  // A checkpoint must bring the states in first.
+  ShardedOptimizer opt(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk()));
+  parallel_step(Net::kMLP, *sharded, opt, 0);
+  EXPECT_ERROR_CONTAINS(opt.piece_views(), "call fetch_offloaded() before reading");
+  opt.fetch_offloaded();
+  const auto views = opt.piece_views();
+  ASSERT_FALSE(views.empty());
+  EXPECT_GT(views[0].value.storage().nbytes(), 0u);
+  opt.park_offloaded();
+  parallel_step(Net::kMLP, *sharded, opt, 1);
+}
+
+// A small tmpfs shared by the ranks (or, where this process may not mount,
+// a 64 KiB file size limit)
+// fills up at the first step: every rank stops with an error, the ranks
+// whose disk is fine name the one whose is not, and the optimizer refuses
+// to go on with states it lost.
+TEST_F(DataParallelOptions, DiskOffloadOnAFullDiskStopsEveryRank) {
+  const auto world = test::world();
+  const std::string dir = ::testing::TempDir() + "tessera_full_disk";
+  int mounted = 0;
+  if (world->rank() == 0) {
+    ::mkdir(dir.c_str(), 0700);
+    mounted = ::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=384k") == 0;
+  }
+  at::Tensor flag = at::full({1}, mounted, at::kInt);
+  world->broadcast(flag);
+  mounted = flag.item<int>();
+  struct rlimit old_limit {};
+  ::getrlimit(RLIMIT_FSIZE, &old_limit);
+  if (!mounted) {  // the same failure through the file size limit: posix_fallocate gives EFBIG
+    std::cout << "[ INFO     ] cannot mount a tmpfs here; limiting the file size to 64 KiB instead\n";
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = old_limit;
+    small.rlim_cur = 64 << 10;
+    ::setrlimit(RLIMIT_FSIZE, &small);
+  }
+  {
+    torch::manual_seed(0);
+    auto model = torch::nn::Sequential(torch::nn::Linear(256, 256));
+    auto sharded =
+        std::make_shared<ShardedModule>(model.ptr(), data_context(), ShardedModuleOptions().spec(ShardingSpec::zero2()));
+    ShardedOptimizer opt(sharded, make_optimizer(Opt::kAdamW, model->parameters()),
+                         ShardedOptimizerOptions().disk(disk(1 << 20).dir(dir)));
+    auto step = [&] {
+      opt.zero_grad();
+      sharded->forward(test::seeded_randn({4, 256}, 1)).pow(2).mean().backward();
+      opt.step();
+    };
+    // 257 KiB of AdamW states per rank at two ranks (514 KiB at one): the
+    // 384 KiB tmpfs takes one rank's file, not two.
+    const std::string error = test::error_of(step);
+    EXPECT_TRUE(error.find(mounted ? "No space left on device" : "File too large") != std::string::npos ||
+                error.find("disk offload failed on rank") != std::string::npos)
+        << error;
+    EXPECT_ERROR_CONTAINS(step(), "disk offload");
+  }
+  if (!mounted) ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  world->barrier();
+  if (world->rank() == 0 && mounted) EXPECT_EQ(::umount(dir.c_str()), 0);
 }
 
 TEST_F(DataParallelOptions, FullParametersAreFreedOutsideForwardAndBackward) {

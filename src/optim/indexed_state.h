@@ -3,6 +3,7 @@
 // own map, whose key type differs between 1.13 and 2.x: docs/latest-libtorch.md, difference 1) and
 // saved by the parameter's position in the param groups, so a checkpoint
 // does not depend on addresses or on the LibTorch version.
+#include "tessera/core/optimizer_state.h"
 #include "tessera/parallel/whole_norms.h"
 
 #include <ATen/ATen.h>
@@ -10,27 +11,13 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
-#include <sstream>
 #include <string>
-#include <type_traits>
 
 namespace tessera {
 namespace optim {
 namespace detail {
 
-using StateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
-
-// A template so that only the branch of this LibTorch's key type is compiled.
-template <typename Key = StateMap::key_type>
-Key state_key(const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream os;
-    os << p.unsafeGetTensorImpl();
-    return os.str();
-  } else {
-    return static_cast<Key>(p.unsafeGetTensorImpl());
-  }
-}
+using tessera::state_key;
 
 // The state of p, created by `init` on first use.
 template <typename State, typename Init>

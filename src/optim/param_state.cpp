@@ -14,12 +14,6 @@ namespace tessera {
 namespace optim {
 namespace {
 
-torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& optimizer, const at::Tensor& param) {
-  auto& map = optimizer.state();
-  auto it = map.find(detail::state_key(param));
-  return it == map.end() ? nullptr : it->second.get();
-}
-
 void put(ParamState& out, const char* name, const at::Tensor& t) {
   if (t.defined()) out.tensors[name] = t;
 }
@@ -42,7 +36,7 @@ State& fresh(torch::optim::Optimizer& optimizer, const at::Tensor& param) {
 
 ParamState get_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param) {
   ParamState out;
-  auto* s = find_state(optimizer, param);
+  auto* s = tessera::find_state(optimizer, param);
   if (s == nullptr) return out;
   if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
     out.step = a->step();

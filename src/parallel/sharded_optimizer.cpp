@@ -4,16 +4,15 @@
 #include "tessera/parallel/flat_bucket.h"
 
 #include "storage.h"
+#include "tile_swapper.h"
+
+#include "tessera/core/async_file.h"
+#include "tessera/core/optimizer_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <map>
@@ -135,39 +134,130 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
               "the first step so that its state is created for the local shard only");
   TORCH_CHECK(options_.offload_threads() >= 1, "ShardedOptimizer: offload_threads must be >= 1, got ",
               options_.offload_threads());
-  TORCH_CHECK(options_.offload() || !module_->options().offload_params(),
+  const DiskOffloadOptions& disk = options_.disk();
+  const bool to_disk = !disk.dir().empty();
+  TORCH_CHECK(!(to_disk && options_.offload()),
+              "ShardedOptimizer: offload (CPU memory) and disk.dir (disk) are both set; choose one");
+  TORCH_CHECK(on_cpu_step() || !module_->options().offload_params(),
               "ShardedOptimizer: the module keeps its parameter shards in CPU memory (offload_params), so the "
               "optimizer must step there too; set ShardedOptimizerOptions().offload(true)");
+  if (to_disk) {
+    TORCH_CHECK(dynamic_cast<NormAware*>(optimizer_.get()) == nullptr,
+                "ShardedOptimizer: disk offload steps the optimizer one tile of pieces at a time, and LAMB and LARS "
+                "need the norms of all pieces at once; use offload(true) (CPU memory) for them");
+    TORCH_CHECK(disk.tile_bytes() > 0, "ShardedOptimizer: disk.tile_bytes must be > 0, got ", disk.tile_bytes());
+    TORCH_CHECK(disk.buffers() >= 1, "ShardedOptimizer: disk.buffers must be >= 1, got ", disk.buffers());
+    TORCH_CHECK(disk.io_threads() >= 1, "ShardedOptimizer: disk.io_threads must be >= 1, got ", disk.io_threads());
+  }
   // Each bucket's optimizer degree, over the group its layout spans.
   auto optim_degree = [&](size_t b) { return module_->bucket(b).layout().degrees().optim; };
 
-  std::map<const void*, std::pair<size_t, size_t>> where;  // TensorImpl -> (bucket, slot)
-  for (size_t b = 0; b < module_->num_buckets(); ++b) {
-    const auto& slots = module_->bucket(b).slots();
-    for (size_t i = 0; i < slots.size(); ++i) where[slots[i].param.unsafeGetTensorImpl()] = {b, i};
+  // The part of each parameter that falls in this rank's optimizer chunk,
+  // in the order of the inner optimizer's groups.
+  struct Range {
+    size_t group, bucket;
+    const ParamSlot* slot;
+    int64_t begin, end;  // in the chunk
+  };
+  std::vector<Range> ranges;
+  {
+    std::map<const void*, std::pair<size_t, size_t>> where;  // TensorImpl -> (bucket, slot)
+    for (size_t b = 0; b < module_->num_buckets(); ++b) {
+      const auto& slots = module_->bucket(b).slots();
+      for (size_t i = 0; i < slots.size(); ++i) where[slots[i].param.unsafeGetTensorImpl()] = {b, i};
+    }
+    size_t g = 0;
+    for (auto& group : optimizer_->param_groups()) {
+      for (const auto& p : group.params()) {
+        auto it = where.find(p.unsafeGetTensorImpl());
+        TORCH_CHECK(it != where.end(), "ShardedOptimizer: a parameter of shape ", p.sizes(),
+                    " is not a trainable parameter of the sharded module; build the optimizer from "
+                    "module->parameters() after wrapping");
+        const size_t b = it->second.first;
+        const FlatBucket& bucket = module_->bucket(b);
+        const ParamSlot& slot = bucket.slots()[it->second.second];
+        const int d = optim_degree(b);
+        const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
+        const int64_t begin = std::max(slot.offset, chunk_begin);
+        const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + bucket.numel() / d);
+        if (begin < end) ranges.push_back(Range{g, b, &slot, begin - chunk_begin, end - chunk_begin});
+      }
+      ++g;
+    }
   }
+
   bool other_dtype = false;
   for (size_t b = 0; b < module_->num_buckets(); ++b)
     other_dtype |= module_->bucket(b).param_chunk(optim_degree(b)).scalar_type() != options_.master_dtype();
-  if (options_.offload() || other_dtype) {  // Note [Master copies]
-    at::NoGradGuard no_grad;
-    for (size_t b = 0; b < module_->num_buckets(); ++b) {
-      FlatBucket& bucket = module_->bucket(b);
-      at::Tensor chunk = bucket.param_chunk(optim_degree(b));
-      auto where_to = chunk.options().dtype(options_.master_dtype());
-      if (options_.offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
-      Master o;
-      if (options_.offload() && bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda() &&
-          chunk.scalar_type() == options_.master_dtype()) {
-        o.master = chunk;  // the parameter shard already lives on the CPU
-      } else {
-        o.master = at::empty({chunk.numel()}, where_to);
-        o.master.copy_(chunk);
-      }
-      o.master_grad = at::zeros({chunk.numel()}, where_to);
-      masters_.push_back(std::move(o));
+  at::NoGradGuard no_grad;
+  auto add_master = [&](size_t b, int64_t offset, int64_t numel) {  // Note [Master copies]
+    FlatBucket& bucket = module_->bucket(b);
+    at::Tensor chunk = bucket.param_chunk(optim_degree(b));
+    auto where_to = chunk.options().dtype(options_.master_dtype());
+    if (options_.offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
+    if (to_disk) where_to = where_to.device(at::kCPU);
+    Master o;
+    o.bucket = b;
+    o.offset = offset;
+    if (options_.offload() && bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda() &&
+        chunk.scalar_type() == options_.master_dtype()) {
+      o.master = chunk;  // the parameter shard already lives on the CPU
+    } else {
+      o.master = at::empty({numel}, where_to);
+      o.master.copy_(chunk.narrow(0, offset, numel));
     }
+    o.master_grad = at::zeros({numel}, where_to);
+    masters_.push_back(std::move(o));
+    return static_cast<int64_t>(masters_.size()) - 1;
+  };
+  std::vector<int64_t> master_of(ranges.size(), -1);
+  if (to_disk) {  // Note [Disk offload]: tiles of pieces, a master per tile where one is needed
+    const int64_t tile_elems =
+        std::max<int64_t>(1, disk.tile_bytes() / static_cast<int64_t>(c10::elementSize(options_.master_dtype())));
+    for (size_t b = 0; b < module_->num_buckets(); ++b) {
+      std::vector<size_t> order;
+      for (size_t i = 0; i < ranges.size(); ++i)
+        if (ranges[i].bucket == b) order.push_back(i);
+      std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return ranges[x].begin < ranges[y].begin; });
+      for (size_t i : order) {
+        if (tiles_.empty() || tiles_.back().bucket != b || ranges[i].end - tiles_.back().begin > tile_elems)
+          tiles_.push_back(Tile{b, ranges[i].begin, ranges[i].end, -1, {}});
+        tiles_.back().end = ranges[i].end;
+        tiles_.back().pieces.push_back(i);
+      }
+    }
+    for (auto& tile : tiles_) {
+      const at::Tensor chunk = module_->bucket(tile.bucket).param_chunk(optim_degree(tile.bucket));
+      if (chunk.scalar_type() == options_.master_dtype() && chunk.device().is_cpu()) continue;
+      tile.master = add_master(tile.bucket, tile.begin, tile.end - tile.begin);
+      for (size_t i : tile.pieces) master_of[i] = tile.master;
+    }
+  } else if (options_.offload() || other_dtype) {
+    std::vector<int64_t> of_bucket;
+    for (size_t b = 0; b < module_->num_buckets(); ++b)
+      of_bucket.push_back(add_master(b, 0, module_->bucket(b).param_chunk(optim_degree(b)).numel()));
+    for (size_t i = 0; i < ranges.size(); ++i) master_of[i] = of_bucket[ranges[i].bucket];
   }
+
+  std::vector<std::vector<at::Tensor>> group_pieces(optimizer_->param_groups().size());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const Range& r = ranges[i];
+    FlatBucket& bucket = module_->bucket(r.bucket);
+    at::Tensor piece, grad;
+    if (master_of[i] >= 0) {
+      const Master& m = masters_[static_cast<size_t>(master_of[i])];
+      piece = m.master.narrow(0, r.begin - m.offset, r.end - r.begin);
+      grad = m.master_grad.narrow(0, r.begin - m.offset, r.end - r.begin);
+    } else {
+      piece = bucket.param_chunk(optim_degree(r.bucket)).narrow(0, r.begin, r.end - r.begin);
+      grad = bucket.grad_chunk(optim_degree(r.bucket)).narrow(0, r.begin, r.end - r.begin);
+    }
+    piece.mutable_grad() = grad;
+    group_pieces[r.group].push_back(piece);
+    const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), optim_degree(r.bucket));
+    pieces_.push_back(Piece{r.bucket, piece, r.slot->param, r.begin + chunk_begin - r.slot->offset, r.group});
+  }
+  for (size_t g = 0; g < group_pieces.size(); ++g) optimizer_->param_groups()[g].params() = std::move(group_pieces[g]);
 
   // Rows of the whole-norm table: the module's parameters in bucket order,
   // the same on every data rank (Note [Whole-parameter norms]).
@@ -188,53 +278,105 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
     }
   }
   if (norm_groups.empty()) norm_groups.push_back(module_->group());
-
-  for (auto& group : optimizer_->param_groups()) {
-    std::vector<at::Tensor> pieces;
-    for (const auto& p : group.params()) {
-      auto it = where.find(p.unsafeGetTensorImpl());
-      TORCH_CHECK(it != where.end(), "ShardedOptimizer: a parameter of shape ", p.sizes(),
-                  " is not a trainable parameter of the sharded module; build the optimizer from "
-                  "module->parameters() after wrapping");
-      const size_t b = it->second.first;
-      FlatBucket& bucket = module_->bucket(b);
-      const ParamSlot& slot = bucket.slots()[it->second.second];
-      const int d = optim_degree(b);
-      const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
-      const int64_t chunk_size = bucket.numel() / d;
-      const int64_t begin = std::max(slot.offset, chunk_begin);
-      const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + chunk_size);
-      if (begin >= end) continue;
-      at::Tensor param_chunk = masters_.empty() ? bucket.param_chunk(d) : masters_[b].master;
-      at::Tensor grad_chunk = masters_.empty() ? bucket.grad_chunk(d) : masters_[b].master_grad;
-      at::Tensor piece = param_chunk.narrow(0, begin - chunk_begin, end - begin);
-      piece.mutable_grad() = grad_chunk.narrow(0, begin - chunk_begin, end - begin);
-      pieces.push_back(piece);
-      pieces_.push_back(Piece{b, piece, slot.param, begin - slot.offset});
-      piece_row[piece.unsafeGetTensorImpl()] = param_row.at(slot.param.unsafeGetTensorImpl());
-    }
-    group.params() = std::move(pieces);
-  }
+  for (const auto& piece : pieces_)
+    piece_row[piece.param.unsafeGetTensorImpl()] = param_row.at(piece.owner.unsafeGetTensorImpl());
 
   skip_step();  // the pieces' gradient views exist; the master gradients' memory waits for a step
   norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), std::move(norm_groups),
                                         row_group, row_replicas,
                                         options_.whole_norms());
   if (auto* aware = dynamic_cast<NormAware*>(optimizer_.get())) aware->set_whole_norms(norms_);
+
+  if (to_disk) {
+    bool pinned = false;
+    for (size_t b = 0; b < module_->num_buckets(); ++b) pinned |= module_->bucket(b).device().is_cuda();
+    AsyncFileOptions io;
+    io.threads = disk.io_threads();
+    io.direct = disk.direct_io();
+    on_every_rank([&] {
+      auto file = AsyncFile::create_temporary(disk.dir(), "optim-rank" + std::to_string(module_->group()->rank()), io);
+      swapper_ = std::make_unique<detail::TileSwapper>(std::move(file), tiles_.size(), disk.buffers(), pinned,
+                                                       [this](size_t t) { return tile_tensors(t); });
+      swapper_->park();  // the master copies go to the file now; states follow at the first step
+    });
+  }
 }
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::on_every_rank(const std::function<void()>& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const auto& group = module_->group();
+  at::Tensor first = at::full({1}, error ? group->rank() : group->size(), at::kLong);
+  comm::AllReduceOptions min;
+  min.op = comm::ReduceOp::kMin;
+  group->control()->all_reduce(first, min);
+  if (error) std::rethrow_exception(error);
+  const int64_t failed = first.item<int64_t>();
+  TORCH_CHECK(failed == group->size(), "ShardedOptimizer: disk offload failed on rank ", failed, " of data group '",
+              group->name(), "' (its own error says why), so this rank stops too");
+}
+
+std::vector<at::Tensor> ShardedOptimizer::tile_tensors(size_t tile) {
+  const Tile& t = tiles_[tile];
+  std::vector<at::Tensor> out;
+  if (t.master >= 0) out.push_back(masters_[static_cast<size_t>(t.master)].master);
+  for (size_t i : t.pieces) {
+    const torch::optim::OptimizerParamState* state = find_state(*optimizer_, pieces_[i].param);
+    if (state == nullptr) continue;  // before its first step
+    bool known = false;
+    for (auto& s : libtorch_state_tensors(*state, known)) out.push_back(s);
+    TORCH_CHECK(known, "ShardedOptimizer: disk offload knows the states of Adam, AdamW, SGD, RMSprop and Adagrad; "
+                       "this optimizer's are of another type; use offload(true) (CPU memory)");
+  }
+  return out;
+}
+
+void ShardedOptimizer::step_pieces(const std::vector<size_t>& pieces) {
+  auto& groups = optimizer_->param_groups();
+  std::vector<std::vector<at::Tensor>> all;
+  for (auto& g : groups) {
+    all.push_back(std::move(g.params()));
+    g.params().clear();
+  }
+  for (size_t i : pieces) groups[pieces_[i].group].params().push_back(pieces_[i].param);
+  try {
+    optimizer_->step();
+  } catch (...) {
+    for (size_t g = 0; g < groups.size(); ++g) groups[g].params() = std::move(all[g]);
+    throw;
+  }
+  for (size_t g = 0; g < groups.size(); ++g) groups[g].params() = std::move(all[g]);
+}
+
+void ShardedOptimizer::fetch_offloaded() {
+  if (swapper_) on_every_rank([&] { swapper_->fetch(); });
+}
+
+void ShardedOptimizer::park_offloaded() {
+  if (swapper_) on_every_rank([&] { swapper_->park(); });
+}
+
+int64_t ShardedOptimizer::disk_bytes() const { return swapper_ ? swapper_->file_bytes() : 0; }
 
 void ShardedOptimizer::load_master_grads() {
   module_->finish_gradient_sync();
   if (masters_.empty() || master_grads_ready_) return;
   at::NoGradGuard no_grad;
-  for (size_t b = 0; b < masters_.size(); ++b) {
-    FlatBucket& bucket = module_->bucket(b);
-    at::Tensor& g = masters_[b].master_grad;
+  for (auto& m : masters_) {
+    FlatBucket& bucket = module_->bucket(m.bucket);
+    at::Tensor& g = m.master_grad;
     detail::restore_storage(g, g.numel() * static_cast<int64_t>(g.element_size()));
-    g.copy_(bucket.grad_chunk(bucket.layout().degrees().optim), /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
+    g.copy_(bucket.grad_chunk(bucket.layout().degrees().optim).narrow(0, m.offset, g.numel()),
+            /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
   }
   if (options_.offload())
-    for (size_t b = 0; b < masters_.size(); ++b) sync_device(module_->bucket(b).device());
+    for (const auto& m : masters_) sync_device(module_->bucket(m.bucket).device());
   master_grads_ready_ = true;
 }
 
@@ -296,19 +438,28 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
   sync_options();
   load_master_grads();
   at::NoGradGuard no_grad;
-  if (masters_.empty()) {
+  if (masters_.empty() && !swapper_) {
     optimizer_->step();
   } else {
     const int threads = at::get_num_threads();
-    if (options_.offload()) at::set_num_threads(options_.offload_threads());
+    if (on_cpu_step()) at::set_num_threads(options_.offload_threads());
     try {
-      optimizer_->step();
+      if (swapper_) {  // Note [Disk offload]
+        on_every_rank([&] {
+          swapper_->run([&](size_t t) {
+            step_pieces(tiles_[t].pieces);
+            if (tiles_[t].master >= 0) copy_master_to_params(masters_[static_cast<size_t>(tiles_[t].master)]);
+          });
+        });
+      } else {
+        optimizer_->step();
+      }
     } catch (...) {
       at::set_num_threads(threads);
       throw;
     }
     at::set_num_threads(threads);
-    copy_masters_to_params();
+    if (!swapper_) copy_masters_to_params();
     skip_step();  // the master gradients are spent
   }
   master_grads_ready_ = false;
@@ -316,25 +467,33 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
   return loss;
 }
 
-void ShardedOptimizer::copy_masters_to_params() {
+void ShardedOptimizer::copy_master_to_params(const Master& m) {
   at::NoGradGuard no_grad;
-  for (size_t b = 0; b < masters_.size(); ++b) {
-    FlatBucket& bucket = module_->bucket(b);
-    at::Tensor chunk = bucket.param_chunk(bucket.layout().degrees().optim);
-    if (!chunk.is_same(masters_[b].master))
-      chunk.copy_(masters_[b].master, options_.offload() && bucket.device().is_cuda());
-  }
+  FlatBucket& bucket = module_->bucket(m.bucket);
+  at::Tensor chunk = bucket.param_chunk(bucket.layout().degrees().optim);
+  if (chunk.is_same(m.master)) return;
+  // Asynchronous only from CPU memory that stays: a disk tile's buffer is reused at once.
+  chunk.narrow(0, m.offset, m.master.numel()).copy_(m.master, options_.offload() && bucket.device().is_cuda());
+}
+
+void ShardedOptimizer::copy_masters_to_params() {
+  for (const auto& m : masters_) copy_master_to_params(m);
 }
 
 std::vector<ShardedOptimizer::PieceView> ShardedOptimizer::piece_views() const {
+  TORCH_CHECK(!swapper_ || !swapper_->parked(), "ShardedOptimizer: the optimizer states are on disk (in '",
+              swapper_ ? swapper_->path() : "", "'); call fetch_offloaded() before reading or writing the pieces "
+              "and park_offloaded() after (Note [Disk offload])");
   std::vector<PieceView> out;
   for (const auto& p : pieces_) out.push_back(PieceView{p.owner, p.begin, p.begin + p.param.numel(), p.param});
   return out;
 }
 
 void ShardedOptimizer::sync_params_from_pieces() {
+  TORCH_CHECK(!swapper_ || !swapper_->parked(),
+              "ShardedOptimizer::sync_params_from_pieces: the master copies are on disk; call fetch_offloaded() first");
   copy_masters_to_params();
-  for (size_t b = 0; b < masters_.size(); ++b) sync_device(module_->bucket(b).device());
+  for (const auto& m : masters_) sync_device(module_->bucket(m.bucket).device());
   module_->sync_params_after_step();
 }
 
@@ -346,39 +505,23 @@ void ShardedOptimizer::zero_grad() {
 int64_t ShardedOptimizer::state_bytes() const {
   std::set<const void*> seen;
   int64_t bytes = 0;
+  const bool listed_by_optimizer = dynamic_cast<const StateTensors*>(optimizer_.get()) != nullptr;
   for (const auto& entry : optimizer_->state()) {
-    const torch::optim::OptimizerParamState* s = entry.second.get();
-    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-      add_storage(seen, bytes, a->exp_avg());
-      add_storage(seen, bytes, a->exp_avg_sq());
-      add_storage(seen, bytes, a->max_exp_avg_sq());
-    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-      add_storage(seen, bytes, w->exp_avg());
-      add_storage(seen, bytes, w->exp_avg_sq());
-      add_storage(seen, bytes, w->max_exp_avg_sq());
-    } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-      add_storage(seen, bytes, g->momentum_buffer());
-    } else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
-      add_storage(seen, bytes, r->square_avg());
-      add_storage(seen, bytes, r->momentum_buffer());
-      add_storage(seen, bytes, r->grad_avg());
-    } else if (auto* ad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
-      add_storage(seen, bytes, ad->sum());
-    } else if (dynamic_cast<const StateTensors*>(optimizer_.get()) == nullptr) {
-      TORCH_CHECK(false,
-                  "ShardedOptimizer::state_bytes: unknown optimizer state type; it knows Adam, AdamW, SGD, "
-                  "RMSprop, Adagrad and optimizers that list their StateTensors");
-    }
+    bool known = false;
+    for (const auto& t : libtorch_state_tensors(*entry.second, known)) add_storage(seen, bytes, t);
+    TORCH_CHECK(known || listed_by_optimizer,
+                "ShardedOptimizer::state_bytes: unknown optimizer state type; it knows Adam, AdamW, SGD, "
+                "RMSprop, Adagrad and optimizers that list their StateTensors");
   }
   if (auto* listed = dynamic_cast<const StateTensors*>(optimizer_.get()))
     for (const auto& t : listed->state_tensors()) add_storage(seen, bytes, t);
-  for (size_t b = 0; b < masters_.size(); ++b) {
+  for (const auto& m : masters_) {
     // Master copies that are not the parameter shard itself count as optimizer state.
-    const FlatBucket& bucket = module_->bucket(b);
-    if (!masters_[b].master.is_same(bucket.param_chunk(bucket.layout().degrees().optim)))
-      add_storage(seen, bytes, masters_[b].master);
-    add_storage(seen, bytes, masters_[b].master_grad);
+    const FlatBucket& bucket = module_->bucket(m.bucket);
+    if (!m.master.is_same(bucket.param_chunk(bucket.layout().degrees().optim))) add_storage(seen, bytes, m.master);
+    add_storage(seen, bytes, m.master_grad);
   }
+  if (swapper_) bytes += swapper_->buffer_bytes();
   return bytes;
 }
 

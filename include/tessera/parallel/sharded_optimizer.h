@@ -28,6 +28,25 @@
 // master gradients exist only during clip/step, so the memory after a step
 // is 2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os for bf16 parameters and fp32 AdamW.
 //
+// Note [Disk offload]
+// With DiskOffloadOptions::dir set, the optimizer states, and the master
+// copies where they differ from the parameter chunk (bf16/fp16 parameters,
+// parameters on a GPU), live in one unlinked file per rank in that
+// directory; in memory stay only `buffers` host buffers of about
+// tile_bytes of masters plus their states. Each bucket's optimizer chunk
+// is cut into tiles at piece boundaries, and step() steps the inner
+// optimizer tile by tile (its param groups narrowed to the tile's pieces),
+// reading the next tile and writing the previous one while a tile steps
+// (Note [Tiles in slots] in src/parallel/tile_swapper.h). Per-element
+// optimizers (Adam, AdamW, SGD, RMSprop, Adagrad) give the same result as
+// one step over all pieces; LAMB and LARS, whose step needs whole-parameter
+// norms of all pieces at once, are refused. Master gradients (only where
+// there are master copies) exist during step() as without offload. Code
+// that reads or writes the pieces between steps (checkpoints) calls
+// fetch_offloaded() first and park_offloaded() after; piece_views() refuses
+// while the states are on disk. The file goes with the ShardedOptimizer:
+// the inner optimizer's states are not usable after it is destroyed.
+//
 // Note [A torch::optim::Optimizer]
 // ShardedOptimizer is a torch::optim::Optimizer, so code written for one
 // (LibTorch's learning-rate schedulers, a training loop taking Optimizer&)
@@ -47,14 +66,40 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace tessera {
 namespace parallel {
+namespace detail {
+class TileSwapper;
+}
+
+// Note [Disk offload]
+struct DiskOffloadOptions {
+  // A directory on a local disk; empty: no disk offload.
+  TORCH_ARG(std::string, dir) = "";
+  // Bytes of master copy (master_dtype elements) per tile; a piece larger
+  // than this is a tile of its own.
+  TORCH_ARG(int64_t, tile_bytes) = int64_t(16) << 20;
+  // Host buffers of one tile each: 3 overlaps a read, a step and a write.
+  TORCH_ARG(int, buffers) = 3;
+  TORCH_ARG(int, io_threads) = 2;
+  // O_DIRECT (Note [Direct I/O] in tessera/core/async_file.h).
+  TORCH_ARG(bool, direct_io) = false;
+
+ public:
+  DiskOffloadOptions() = default;
+};
 
 struct ShardedOptimizerOptions {
+  // Optimizer states and masters in CPU memory, stepped there.
   TORCH_ARG(bool, offload) = false;
+  // Optimizer states and masters on disk (Note [Disk offload]); implies
+  // the step on the CPU as offload does.
+  TORCH_ARG(DiskOffloadOptions, disk) = {};
   TORCH_ARG(int, offload_threads) = 1;
   // The dtype the optimizer steps in (Note [Master copies]).
   TORCH_ARG(at::ScalarType, master_dtype) = at::kFloat;
@@ -68,6 +113,7 @@ struct ShardedOptimizerOptions {
 
 class ShardedOptimizer : public torch::optim::Optimizer {
  public:
+  ~ShardedOptimizer() override;
   // The optimizer must not have stepped yet (its state would belong to the
   // full parameters). Every parameter in it must belong to `module`.
   ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torch::optim::Optimizer> optimizer,
@@ -119,8 +165,16 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // masters into the parameters and re-gathers them, as step() does.
   void sync_params_from_pieces();
 
+  // Disk offload (Note [Disk offload]): brings every tile into memory of
+  // its own, and sends them back to the file. No-ops without disk offload.
+  void fetch_offloaded();
+  void park_offloaded();
+  bool offloaded_to_disk() const { return swapper_ != nullptr; }
+  // Bytes of the offload file (0 without disk offload).
+  int64_t disk_bytes() const;
+
   // Optimizer states (and offloaded master copies) held by this rank, by
-  // live storage. Knows the states of LibTorch's Adam, AdamW, SGD, RMSprop
+  // live storage; with disk offload, the host buffers. Knows the states of LibTorch's Adam, AdamW, SGD, RMSprop
   // and Adagrad; throws for other optimizers.
   int64_t state_bytes() const;
   // module()->memory() with optim filled in.
@@ -132,20 +186,40 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     at::Tensor param;   // view the optimizer steps
     at::Tensor owner;   // the module parameter it is part of
     int64_t begin = 0;  // flat offset in owner
+    size_t group = 0;   // inner param group
   };
   void copy_masters_to_params();
   struct Master {
-    at::Tensor master;       // the bucket's optimizer chunk, in master_dtype (CPU when offloading)
-    at::Tensor master_grad;  // its gradient; memory held only around a step unless offloading
+    size_t bucket = 0;
+    int64_t offset = 0;      // in the bucket's optimizer chunk
+    at::Tensor master;       // that range of the chunk, in master_dtype (CPU when offloading)
+    at::Tensor master_grad;  // its gradient; memory held only around a step unless offloading to CPU memory
+  };
+  // A range of pieces stepped together under disk offload.
+  struct Tile {
+    size_t bucket = 0;
+    int64_t begin = 0, end = 0;  // in the bucket's optimizer chunk
+    int64_t master = -1;         // index in masters_, or -1 when the pieces are views of the chunk
+    std::vector<size_t> pieces;  // indices in pieces_
   };
   void load_master_grads();
   void sync_options();
+  void copy_master_to_params(const Master& m);
+  void step_pieces(const std::vector<size_t>& pieces);
+  std::vector<at::Tensor> tile_tensors(size_t tile);
+  // Runs fn, then tells every rank of the data group whether it threw on
+  // any: a full disk on one rank stops all of them instead of leaving the
+  // others waiting in the next collective.
+  void on_every_rank(const std::function<void()>& fn);
+  bool on_cpu_step() const { return options_.offload() || !options_.disk().dir().empty(); }
 
   ShardedModulePtr module_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   ShardedOptimizerOptions options_;
   std::vector<Piece> pieces_;
-  std::vector<Master> masters_;  // per bucket, when there are masters
+  std::vector<Master> masters_;  // per bucket (per tile under disk offload), when there are masters
+  std::vector<Tile> tiles_;
+  std::unique_ptr<detail::TileSwapper> swapper_;
   bool master_grads_ready_ = false;
   WholeNormsPtr norms_;
   std::vector<double> synced_lr_;  // per group, at the last sync_options()
