@@ -10,6 +10,8 @@
 // it); --save DIR writes checkpoints, --resume DIR continues from one (in
 // any parallel configuration), --consolidate FILE writes the final weights
 // as one safetensors file, and the run ends with text sampled from the model.
+// --offload optimizer keeps optimizer states in CPU memory, --offload
+// optimizer:disk --offload-dir DIR on a local disk (docs/offload.md).
 #include <tessera/models/gpt.h>
 #include <tessera/nn/layer_factory.h>
 #include <tessera/tessera.h>
@@ -71,6 +73,8 @@ Json defaults() {
           {"dropout", 0.0},
           {"accumulation", 1},
           {"checkpoint_activations", false},
+          {"offload", "none"},
+          {"offload_dir", ""},
           {"experts", 0},
           {"top_k", 1},
           {"moe_every", 1},
@@ -278,6 +282,13 @@ int train(int argc, char** argv) {
     const std::string opt_name = a["optimizer"];
     TORCH_CHECK(opt_name == "adamw" || opt_name == "lamb" || opt_name == "lars" || opt_name == "sgd",
                 "--optimizer must be adamw, lamb, lars or sgd, got '", opt_name, "'");
+    const std::string offload = a["offload"], offload_dir = a["offload_dir"];
+    TORCH_CHECK(offload == "none" || offload == "optimizer" || offload == "optimizer:disk",
+                "--offload must be none, optimizer (CPU memory) or optimizer:disk, got '", offload,
+                "'; parameter shards are not offloaded to disk yet (docs/offload.md)");
+    TORCH_CHECK((offload == "optimizer:disk") == !offload_dir.empty(),
+                offload == "optimizer:disk" ? "--offload optimizer:disk needs --offload-dir DIR (a local disk)"
+                                            : "--offload-dir is only read with --offload optimizer:disk");
     for (const char* k : {"steps", "batch", "seq", "layers", "heads", "hidden", "accumulation", "log_every"})
       TORCH_CHECK(a[k].get<int64_t>() >= 1, "--", k, " must be >= 1, got ", a[k].get<int64_t>());
 
@@ -356,6 +367,8 @@ int train(int argc, char** argv) {
                                                       .microbatches(static_cast<int>(micro))
                                                       .chunks(a["chunks"].get<int>()))
                                         .accumulation(a["accumulation"].get<int64_t>())
+                                        .offload(offload == "optimizer")
+                                        .disk(tessera::parallel::DiskOffloadOptions().dir(offload_dir))
                                         .clip_grad_norm(a["clip"])
                                         .lr(tessera::train::LrSchedule()
                                                 .peak(lr)

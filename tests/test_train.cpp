@@ -61,6 +61,7 @@ struct Layout {
   int microbatches = 1;
   bool loss_scaling = false;  // dynamic loss scaling from 2^16
   int chunks = 1;             // > 1: interleaved 1F1B
+  bool disk = false;          // optimizer states on disk, in small tiles
 };
 
 // The configurations a world of n ranks can run.
@@ -131,7 +132,10 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
                                                    .loss_scaling(s.loss_scaling)
                                                    .clip_grad_norm(0.5)
                                                    .lr(schedule(adamw ? 1e-3 : 0.1))
-                                                   .bucket_bytes(4096));
+                                                   .bucket_bytes(4096)
+                                                   .disk(parallel::DiskOffloadOptions()
+                                                             .dir(s.disk ? ::testing::TempDir() : "")
+                                                             .tile_bytes(4096)));
   return r;
 }
 
@@ -465,7 +469,10 @@ TEST(Trainer, SequenceParallelEqualsSerial) {
 TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
   auto world = test::world();
   const int64_t rows = 12;
-  for (const Layout& s : layouts(world->size())) {
+  auto cases = layouts(world->size());
+  // Optimizer states on disk: a save brings them in, a load sends them back.
+  cases.push_back({"dp_zero2_disk", ParallelConfig().data(world->size()), "zero2", 1, false, 1, true});
+  for (const Layout& s : cases) {
     SCOPED_TRACE(s.name);
     const std::string dir = shared_dir("resume_" + s.name) + "/step-10";
     auto ctx = context::ParallelContext::create(world, s.parallel);

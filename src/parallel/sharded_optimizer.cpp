@@ -152,6 +152,8 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   // Each bucket's optimizer degree, over the group its layout spans.
   auto optim_degree = [&](size_t b) { return module_->bucket(b).layout().degrees().optim; };
 
+  const int64_t tile_elems =
+      std::max<int64_t>(1, disk.tile_bytes() / static_cast<int64_t>(c10::elementSize(options_.master_dtype())));
   // The part of each parameter that falls in this rank's optimizer chunk,
   // in the order of the inner optimizer's groups.
   struct Range {
@@ -180,7 +182,11 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
         const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
         const int64_t begin = std::max(slot.offset, chunk_begin);
         const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + bucket.numel() / d);
-        if (begin < end) ranges.push_back(Range{g, b, &slot, begin - chunk_begin, end - chunk_begin});
+        // Under disk offload a piece is at most a tile, so that a tile's buffer is bounded by tile_bytes
+        // whatever the parameter sizes (per-element optimizers do not see where a parameter is cut).
+        const int64_t most = to_disk ? tile_elems : end - begin;
+        for (int64_t at = begin; at < end; at += most)
+          ranges.push_back(Range{g, b, &slot, at - chunk_begin, std::min(end, at + most) - chunk_begin});
       }
       ++g;
     }
@@ -212,8 +218,6 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   };
   std::vector<int64_t> master_of(ranges.size(), -1);
   if (to_disk) {  // Note [Disk offload]: tiles of pieces, a master per tile where one is needed
-    const int64_t tile_elems =
-        std::max<int64_t>(1, disk.tile_bytes() / static_cast<int64_t>(c10::elementSize(options_.master_dtype())));
     for (size_t b = 0; b < module_->num_buckets(); ++b) {
       std::vector<size_t> order;
       for (size_t i = 0; i < ranges.size(); ++i)

@@ -105,6 +105,7 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
     const std::string what = key.substr(prefix.size(), slash - prefix.size());
     if (what != "step") states[key.substr(slash + 1)].emplace_back(what, key);
   }
+  optimizer.fetch_offloaded();  // Note [Disk offload]
   for (const auto& v : optimizer.piece_views()) {
     auto it = where.find(v.param.unsafeGetTensorImpl());
     TORCH_CHECK(it != where.end(), "load_optimizer_pieces: a parameter of shape ", v.param.sizes(),
@@ -124,6 +125,7 @@ void load_optimizer_pieces(const CheckpointReader& reader, parallel::ShardedOpti
     optim::set_param_state(optimizer.inner(), v.value, state);
   }
   optimizer.sync_params_from_pieces();
+  optimizer.park_offloaded();
 }
 
 std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer) {

@@ -126,7 +126,7 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   TORCH_CHECK(optimizer_kind(*inner) != "other",
               "Trainer: the optimizer is none of AdamW, Adam, SGD, LAMB, LARS, whose states checkpoints can save; "
               "use one of those");
-  auto opt_options = parallel::ShardedOptimizerOptions().offload(options_.offload());
+  auto opt_options = parallel::ShardedOptimizerOptions().offload(options_.offload()).disk(options_.disk());
   if (!model_.placements.empty())
     opt_options.whole_norms(std::make_shared<parallel::PlacementNorms>(model_.placements));
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(sharded_, inner, opt_options);
@@ -229,6 +229,7 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
 }
 
 void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
+  optimizer_->fetch_offloaded();  // Note [Disk offload]: the pieces in memory while they are written
   std::vector<TensorPiece> pieces = optimizer_pieces(*optimizer_, placements_);
   for (auto& b : buffer_pieces(*local_, ctx_->comm(context::ParallelMode::kData)->rank() == 0))
     pieces.push_back(std::move(b));
@@ -249,6 +250,8 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
   }
   meta["extra"] = Json::parse(extra_json.empty() ? "{}" : extra_json);
   save_checkpoint(dir, pieces, meta.dump(), ctx_->world(), options);
+  pieces.clear();
+  optimizer_->park_offloaded();
 }
 
 std::string Trainer::load(const std::string& dir) {

@@ -34,7 +34,8 @@
 // parameters on a GPU), live in one unlinked file per rank in that
 // directory; in memory stay only `buffers` host buffers of about
 // tile_bytes of masters plus their states. Each bucket's optimizer chunk
-// is cut into tiles at piece boundaries, and step() steps the inner
+// is cut into tiles of at most tile_bytes of master elements (a parameter's
+// piece longer than that is cut into several pieces), and step() steps the inner
 // optimizer tile by tile (its param groups narrowed to the tile's pieces),
 // reading the next tile and writing the previous one while a tile steps
 // (Note [Tiles in slots] in src/parallel/tile_swapper.h). Per-element
@@ -81,8 +82,9 @@ class TileSwapper;
 struct DiskOffloadOptions {
   // A directory on a local disk; empty: no disk offload.
   TORCH_ARG(std::string, dir) = "";
-  // Bytes of master copy (master_dtype elements) per tile; a piece larger
-  // than this is a tile of its own.
+  // Bytes of master copy (master_dtype elements) per tile; a parameter's
+  // piece is cut at this size, so a buffer holds at most this many elements
+  // of master and states.
   TORCH_ARG(int64_t, tile_bytes) = int64_t(16) << 20;
   // Host buffers of one tile each: 3 overlaps a read, a step and a write.
   TORCH_ARG(int, buffers) = 3;

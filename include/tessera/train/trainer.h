@@ -70,7 +70,9 @@ struct TrainerOptions {
   TORCH_ARG(bool, loss_scaling) = false;
   TORCH_ARG(optim::LossScalerOptions, scaler) = {};
   TORCH_ARG(LrSchedule, lr) = {};
+  // Optimizer states and masters in CPU memory (offload) or on disk (disk.dir).
   TORCH_ARG(bool, offload) = false;
+  TORCH_ARG(parallel::DiskOffloadOptions, disk) = {};
   TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
 
  public:

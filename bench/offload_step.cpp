@@ -1,0 +1,126 @@
+// offload_step: one data-parallel AdamW training step of a large MLP with the
+// optimizer states (and masters) in memory, in CPU memory (offload) or on
+// disk, for the memory each keeps and the time each costs. One mode per run,
+// so that the resident set size is the mode's own:
+//
+//   mpirun -np 2 offload_step --offload none|cpu|disk [--dir DIR] [--direct 0|1]
+//       [--hidden 4096] [--layers 6] [--batch 8] [--steps 5] [--spec zero2]
+//       [--tile-mb 16] [--buffers 3]
+//
+// Prints one JSON object: step time (median of the timed steps, the slowest
+// rank), the resident set size after the steps and its peak (VmRSS, VmHWM),
+// the CPU bytes live after the steps by the counting allocator, the
+// optimizer's own count of its state bytes in memory and on disk, and a
+// checksum of the final parameters (an integer sum of their bits), which is
+// equal across modes when the steps are bit for bit the same.
+#include "bench_util.h"
+#include "counting_allocator.h"
+
+#include <tessera/parallel/sharded_module.h>
+#include <tessera/parallel/sharded_optimizer.h>
+#include <tessera/tessera.h>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+namespace {
+
+using tessera::parallel::DiskOffloadOptions;
+using tessera::parallel::ShardedModule;
+using tessera::parallel::ShardedModuleOptions;
+using tessera::parallel::ShardedOptimizer;
+using tessera::parallel::ShardedOptimizerOptions;
+using tessera::parallel::ShardingSpec;
+
+// VmRSS or VmHWM of this process, in bytes.
+int64_t proc_status_bytes(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
+  return -1;
+}
+
+int64_t max_over_ranks(int64_t v) {
+  int64_t out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return bench::run_main(&argc, &argv, "offload_step", [&](int rank) {
+    int64_t hidden = 4096, layers = 6, batch = 8, steps = 5, tile_mb = 16, buffers = 3, direct = 0;
+    std::string offload = "none", dir = "/tmp", spec = "zero2";
+    bench::parse_flags(argc, argv,
+                       {{"--hidden", &hidden},
+                        {"--layers", &layers},
+                        {"--batch", &batch},
+                        {"--steps", &steps},
+                        {"--tile-mb", &tile_mb},
+                        {"--buffers", &buffers},
+                        {"--direct", &direct}},
+                       {{"--offload", &offload}, {"--dir", &dir}, {"--spec", &spec}},
+                       "the comment at the top of bench/offload_step.cpp");
+    TORCH_CHECK(offload == "none" || offload == "cpu" || offload == "disk", "--offload must be none, cpu or disk, got '",
+                offload, "'");
+    auto& memory = tessera::test::CountingAllocator::instance();
+    tessera::test::CountingScope counting;
+    auto world = tessera::comm::make_world_communicator();
+    auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
+
+    torch::manual_seed(0);
+    torch::nn::Sequential net;
+    for (int64_t i = 0; i < layers; ++i) {
+      net->push_back(torch::nn::Linear(hidden, hidden));
+      net->push_back(torch::nn::Tanh());
+    }
+    int64_t psi = 0;
+    for (const auto& p : net->parameters()) psi += p.numel();
+    auto sharded =
+        std::make_shared<ShardedModule>(net.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(spec)));
+    auto options = ShardedOptimizerOptions().offload(offload == "cpu");
+    if (offload == "disk")
+      options.disk(DiskOffloadOptions()
+                       .dir(dir)
+                       .tile_bytes(tile_mb << 20)
+                       .buffers(static_cast<int>(buffers))
+                       .direct_io(direct != 0));
+    ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(net->parameters()), options);
+    const int64_t rows = batch / world->size();
+    TORCH_CHECK(rows * world->size() == batch, "--batch ", batch, " must split over ", world->size(), " ranks");
+    std::vector<double> times;
+    for (int64_t step = 0; step < steps; ++step) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(step));
+      at::Tensor x = at::randn({batch, hidden}, gen).narrow(0, world->rank() * rows, rows);
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = bench::now_ms();
+      opt.zero_grad();
+      sharded->forward(x).pow(2).mean().backward();
+      opt.step();
+      double mine = bench::now_ms() - start, worst = 0;
+      MPI_Allreduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      if (step > 0) times.push_back(worst);  // the first step creates the states
+    }
+    std::sort(times.begin(), times.end());
+    const int64_t live = max_over_ranks(memory.live()), peak_live = max_over_ranks(memory.peak());
+    const int64_t rss = max_over_ranks(proc_status_bytes("VmRSS")), hwm = max_over_ranks(proc_status_bytes("VmHWM"));
+    const auto m = opt.memory();
+    int64_t checksum = 0;
+    {
+      auto full = sharded->full_params();
+      for (const auto& p : net->parameters()) checksum += p.detach().view(at::kInt).to(at::kLong).sum().item<int64_t>();
+    }
+    if (rank == 0)
+      fmt::print(
+          "{{\"offload\": \"{}\", \"direct\": {}, \"spec\": \"{}\", \"ranks\": {}, \"params\": {}, "
+          "\"step_ms\": {:.1f}, \"rss_bytes\": {}, \"rss_peak_bytes\": {}, \"counted_live_bytes\": {}, "
+          "\"counted_peak_bytes\": {}, \"param_bytes\": {}, \"grad_bytes\": {}, \"optim_bytes_in_memory\": {}, "
+          "\"optim_bytes_on_disk\": {}, \"params_checksum\": {}}}\n",
+          offload, direct, spec, world->size(), psi, times.empty() ? 0.0 : times[times.size() / 2], rss, hwm, live,
+          peak_live, m.params, m.grads, m.optim, opt.disk_bytes(), checksum);
+  });
+}
