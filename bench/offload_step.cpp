@@ -16,14 +16,13 @@
 #include "bench_util.h"
 #include "counting_allocator.h"
 
+#include <tessera/core/process_memory.h>
 #include <tessera/parallel/sharded_module.h>
 #include <tessera/parallel/sharded_optimizer.h>
 #include <tessera/tessera.h>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
-
-#include <fstream>
 
 namespace {
 
@@ -33,15 +32,6 @@ using tessera::parallel::ShardedModuleOptions;
 using tessera::parallel::ShardedOptimizer;
 using tessera::parallel::ShardedOptimizerOptions;
 using tessera::parallel::ShardingSpec;
-
-// VmRSS or VmHWM of this process, in bytes.
-int64_t proc_status_bytes(const std::string& key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
-  return -1;
-}
 
 int64_t max_over_ranks(int64_t v) {
   int64_t out = 0;
@@ -107,7 +97,7 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     const int64_t live = max_over_ranks(memory.live()), peak_live = max_over_ranks(memory.peak());
-    const int64_t rss = max_over_ranks(proc_status_bytes("VmRSS")), hwm = max_over_ranks(proc_status_bytes("VmHWM"));
+    const int64_t rss = max_over_ranks(tessera::resident_bytes()), hwm = max_over_ranks(tessera::peak_resident_bytes());
     const auto m = opt.memory();
     int64_t checksum = 0;
     {

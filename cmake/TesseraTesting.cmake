@@ -50,3 +50,18 @@ function(tessera_add_mpi_failure_test)
     ENVIRONMENT "${TESSERA_MPI_TEST_ENV}"
     LABELS "mpi;np${T_RANKS};invalid-input")
 endfunction()
+
+# One failure test per case "name|arg,arg,...|regex" of CASES: PREFIX.name,
+# run with ARGS and then the case's own arguments.
+function(tessera_add_failure_cases)
+  cmake_parse_arguments(T "" "PREFIX;TARGET;RANKS" "ARGS;CASES" ${ARGN})
+  foreach(entry ${T_CASES})
+    string(REPLACE "|" ";" parts "${entry}")
+    list(GET parts 0 case_name)
+    list(GET parts 1 args)
+    list(GET parts 2 regex)
+    string(REPLACE "," ";" args "${args}")
+    tessera_add_mpi_failure_test(NAME ${T_PREFIX}.${case_name} TARGET ${T_TARGET} RANKS ${T_RANKS} REGEX "${regex}"
+      ARGS ${T_ARGS} ${args})
+  endforeach()
+endfunction()

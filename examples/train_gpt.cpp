@@ -354,6 +354,10 @@ int train(int argc, char** argv) {
       return o;
     };
     const int64_t steps = a["steps"];
+    // The heads go with the weights: their shapes do not say (tessera_generate reads them).
+    auto checkpoint_metadata = [&](int64_t step) {
+      return fmt::format(R"({{"step": {}, "gpt": {{"heads": {}}}}})", step, cfg.heads);
+    };
     auto model = tessera::train::gpt_train_model(gpt);
     if (a["precision"] == "bf16") {
       auto inner = model.loss;
@@ -449,12 +453,12 @@ int train(int argc, char** argv) {
         log.print(fmt::format("step {:4d}/{} | validation loss {:.4f}", st.step, steps, val));
       }
       if (!save_dir.empty() && save_every > 0 && st.step % save_every == 0)
-        trainer.save(fmt::format("{}/step-{:06d}", save_dir, st.step), fmt::format(R"({{"step": {}}})", st.step));
+        trainer.save(fmt::format("{}/step-{:06d}", save_dir, st.step), checkpoint_metadata(st.step));
     }
 
     // The final weights, full, through a checkpoint; rank 0 samples from a serial copy.
     const std::string final_dir = (save_dir.empty() ? std::string("train_gpt_out") : save_dir) + "/final";
-    trainer.save(final_dir, fmt::format(R"({{"step": {}}})", trainer.step()));
+    trainer.save(final_dir, checkpoint_metadata(trainer.step()));
     // Collective: rank 0 alone gets a communicator for its serial copy.
     auto self = a["sample"].get<int64_t>() > 0 ? world->inner()->split(rank == 0 ? 0 : -1, 0, "sample") : nullptr;
     if (rank == 0) {

@@ -694,6 +694,17 @@ TEST(Safetensors, RoundTripsEveryDtype) {
   train::SafetensorsFile f(path);
   EXPECT_EQ(f.metadata().at("k"), "v");
   for (const auto& [name, t] : tensors) EXPECT_TRUE(f.read(name).equal(t)) << name;
+  // A flipped byte: the tensor's checksum refuses it (Note [Tensor checksums]).
+  {
+    const auto loc = f.location("t_Float");
+    std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(loc.offset + 5);
+    const char byte = static_cast<char>(io.get() ^ 0x40);
+    io.seekp(loc.offset + 5);
+    io.put(byte);
+  }
+  EXPECT_TRUE(test::throws_with([&] { train::SafetensorsFile(path).read("t_Float"); }, "is damaged: tensor 't_Float'"));
+  EXPECT_TRUE(train::SafetensorsFile(path).read("t_Double").equal(tensors[1].second));
   std::filesystem::resize_file(path, std::filesystem::file_size(path) - 4);
   EXPECT_TRUE(test::throws_with([&] { train::SafetensorsFile g(path); }, "outside the file"));
 }

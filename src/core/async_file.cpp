@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -24,6 +25,8 @@ struct IoState {
   std::condition_variable done;
   int remaining = 0;
   std::string error;  // the first part's failure
+  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point finished = submitted;
 };
 
 struct FilePool {
@@ -137,6 +140,18 @@ bool IoWork::completed() const {
   return state_->remaining == 0;
 }
 
+std::chrono::steady_clock::time_point IoWork::submitted_at() const {
+  if (!state_) return {};
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->submitted;
+}
+
+std::chrono::steady_clock::time_point IoWork::finished_at() const {
+  if (!state_) return {};
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->finished;
+}
+
 AsyncFile::AsyncFile(std::unique_ptr<detail::FilePool> pool) : pool_(std::move(pool)) {}
 AsyncFile::AsyncFile(AsyncFile&&) noexcept = default;
 AsyncFile& AsyncFile::operator=(AsyncFile&&) noexcept = default;
@@ -194,7 +209,7 @@ std::shared_ptr<detail::IoState> submit(detail::FilePool& pool, char* buffer, in
       {
         std::lock_guard<std::mutex> lock(state->mutex);
         if (!error.empty() && state->error.empty()) state->error = std::move(error);
-        --state->remaining;
+        if (--state->remaining == 0) state->finished = std::chrono::steady_clock::now();
       }
       state->done.notify_all();
     });
@@ -219,6 +234,11 @@ void AsyncFile::reserve(int64_t offset, int64_t bytes) {
   const int err = ::posix_fallocate(pool_->fd, offset, bytes);
   TORCH_CHECK(err == 0, "AsyncFile: cannot reserve ", bytes, " bytes at offset ", offset, " of '", pool_->path,
               "': ", errno_text(err), "; free disk space or choose another directory");
+}
+
+void AsyncFile::drop_cache(int64_t offset, int64_t bytes) {
+  const int err = ::posix_fadvise(pool_->fd, offset, bytes, POSIX_FADV_DONTNEED);
+  TORCH_CHECK(err == 0, "AsyncFile: cannot drop the cached pages of '", pool_->path, "': ", errno_text(err));
 }
 
 int64_t AsyncFile::size() const {

@@ -6,6 +6,7 @@
 #include "storage.h"
 #include "tile_swapper.h"
 
+#include "tessera/comm/agree.h"
 #include "tessera/core/async_file.h"
 #include "tessera/core/optimizer_state.h"
 
@@ -309,21 +310,7 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
 ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::on_every_rank(const std::function<void()>& fn) {
-  std::exception_ptr error;
-  try {
-    fn();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  const auto& group = module_->group();
-  at::Tensor first = at::full({1}, error ? group->rank() : group->size(), at::kLong);
-  comm::AllReduceOptions min;
-  min.op = comm::ReduceOp::kMin;
-  group->control()->all_reduce(first, min);
-  if (error) std::rethrow_exception(error);
-  const int64_t failed = first.item<int64_t>();
-  TORCH_CHECK(failed == group->size(), "ShardedOptimizer: disk offload failed on rank ", failed, " of data group '",
-              group->name(), "' (its own error says why), so this rank stops too");
+  comm::on_every_rank(module_->group(), "ShardedOptimizer: disk offload", fn);
 }
 
 std::vector<at::Tensor> ShardedOptimizer::tile_tensors(size_t tile) {

@@ -1,5 +1,6 @@
 #include "tessera/train/checkpoint.h"
 
+#include "tessera/train/atomic_file.h"
 #include "tessera/train/safetensors.h"
 
 #include <ATen/ATen.h>
@@ -45,16 +46,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 std::string file_name(int rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
 
-void write_text(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "checkpoint: writing ", tmp, " failed");
-  }
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename ", tmp, " to ", path);
-}
 
 }  // namespace
 
@@ -155,7 +146,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     }
     Json index = {{"format", "tessera-checkpoint"}, {"version", 2},   {"world_size", world->size()},
                   {"metadata", metadata},           {"files", files}, {"tensors", tensors}};
-    write_text(partial + "/index.json", index.dump(1));
+    write_file_atomically(partial + "/index.json", index.dump(1));
     std::error_code ec;
     fs::remove_all(old, ec);
     if (fs::exists(dir)) fs::rename(dir, old);
@@ -283,9 +274,7 @@ at::Tensor CheckpointReader::region(const std::string& name, const std::vector<i
     const int64_t begin = p.flat_end < 0 ? 0 : p.flat_begin;
     const int64_t end = p.flat_end < 0 ? region_numel : p.flat_end;
     const int64_t r0 = begin / row, r1 = (end + row - 1) / row;
-    auto& f = files_[p.file];
-    if (!f) f = std::make_unique<SafetensorsFile>(dir_ + "/" + p.file);
-    const at::Tensor data = f->read(p.key).view({-1});
+    const at::Tensor data = file(dir_ + "/" + p.file).read(p.key).view({-1});
     std::vector<int64_t> rows_shape = p.length;
     if (nd > 0) rows_shape[0] = r1 - r0;
     at::Tensor rows = at::zeros(rows_shape, data.options());
@@ -319,12 +308,45 @@ at::Tensor CheckpointReader::region(const std::string& name, const std::vector<i
   return out;
 }
 
+const SafetensorsFile& CheckpointReader::file(const std::string& path) const {
+  auto& f = files_[path];
+  if (!f) f = std::make_unique<SafetensorsFile>(path);
+  return *f;
+}
+
+std::vector<CheckpointReader::StoredPiece> CheckpointReader::stored_pieces(const std::string& name) const {
+  auto it = tensors_.find(name);
+  TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
+  std::vector<StoredPiece> out;
+  for (const auto& p : it->second.pieces) {
+    StoredPiece s;
+    s.path = dir_ + "/" + p.file;
+    s.key = p.key;
+    s.location = file(s.path).location(p.key);
+    s.offset = p.offset;
+    s.length = p.length;
+    const int64_t region = numel_of(p.length);
+    s.flat_begin = p.flat_end < 0 ? 0 : p.flat_begin;
+    s.flat_end = p.flat_end < 0 ? region : p.flat_end;
+    const int64_t elements = s.location.bytes / static_cast<int64_t>(c10::elementSize(s.location.dtype));
+    TORCH_CHECK(s.flat_begin >= 0 && s.flat_begin <= s.flat_end && s.flat_end <= region &&
+                    elements == s.flat_end - s.flat_begin,
+                "checkpoint ", dir_, " is damaged: piece '", p.key, "' of ", p.file, " holds ", elements,
+                " elements, the index says [", s.flat_begin, ", ", s.flat_end, ") of a region of ", region);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 void consolidate_checkpoint(const std::string& dir, const std::string& out_file, const std::string& prefix) {
   CheckpointReader reader(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& name : reader.names(prefix)) tensors.emplace_back(name.substr(prefix.size()), reader.full(name));
   TORCH_CHECK(!tensors.empty(), "consolidate_checkpoint: ", dir, " has no tensors named ", prefix, "...");
-  write_safetensors(out_file, tensors, {{"format", "pt"}, {"source", "tessera checkpoint " + dir}});
+  write_safetensors(out_file, tensors,
+                    {{"format", "pt"},
+                     {"source", "tessera checkpoint " + dir},
+                     {"tessera.checkpoint_metadata", reader.metadata()}});
 }
 
 }  // namespace train

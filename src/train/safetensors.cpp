@@ -1,6 +1,9 @@
 #include "tessera/train/safetensors.h"
 
+#include "tessera/core/hash.h"
+
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -19,6 +22,8 @@ const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
   return names;
 }
 
+constexpr const char* kChecksumKey = "tessera.hash64.";
+
 const char* dtype_name(at::ScalarType t) {
   for (const auto& [type, name] : dtype_names())
     if (type == t) return name;
@@ -36,7 +41,7 @@ at::ScalarType dtype_of(const std::string& name, const std::string& path) {
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   Json header = Json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::map<std::string, std::string> meta = metadata;
   std::vector<at::Tensor> data;
   int64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -46,8 +51,10 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
     header[name] = {
         {"dtype", dtype_name(c.scalar_type())}, {"shape", c.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
+    meta[kChecksumKey + name] = fmt::format("{:016x}", hash_bytes(c.data_ptr(), static_cast<size_t>(bytes)));
     data.push_back(std::move(c));
   }
+  if (!meta.empty()) header["__metadata__"] = meta;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
   const std::string tmp = path + ".tmp";
@@ -124,6 +131,35 @@ const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) co
 
 std::vector<int64_t> SafetensorsFile::shape(const std::string& name) const { return entry(name).shape; }
 
+SafetensorsFile::Location SafetensorsFile::location(const std::string& name) const {
+  const Entry& e = entry(name);
+  Location loc{e.dtype, e.shape, data_start_ + e.begin, e.end - e.begin};
+  auto it = metadata_.find(kChecksumKey + name);
+  if (it != metadata_.end()) {
+    size_t used = 0;
+    try {
+      loc.checksum = std::stoull(it->second, &used, 16);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK(used == 16 && it->second.size() == 16, "safetensors: ", path_, ": the checksum of '", name, "' ('",
+                it->second, "') is not 16 hex digits; the file is damaged");
+    loc.has_checksum = true;
+  }
+  return loc;
+}
+
+void SafetensorsFile::check(const std::string& name, const void* data, int64_t bytes) const {
+  const Location loc = location(name);
+  TORCH_CHECK(bytes == loc.bytes, "safetensors: checking '", name, "' of ", path_, " needs its ", loc.bytes,
+              " bytes, got ", bytes);
+  if (!loc.has_checksum) return;
+  const uint64_t got = hash_bytes(data, static_cast<size_t>(bytes));
+  TORCH_CHECK(got == loc.checksum, "safetensors: ", path_, " is damaged: tensor '", name, "' has checksum ",
+              fmt::format("{:016x}", got), ", the file's header says ", fmt::format("{:016x}", loc.checksum),
+              "; write the file again (or restore it from a copy)");
+}
+
 at::Tensor SafetensorsFile::read(const std::string& name) const {
   const Entry& e = entry(name);
   at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
@@ -131,6 +167,7 @@ at::Tensor SafetensorsFile::read(const std::string& name) const {
   in.seekg(data_start_ + e.begin);
   in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin);
   TORCH_CHECK(in.gcount() == e.end - e.begin, "safetensors: ", path_, ": short read of '", name, "'");
+  check(name, t.data_ptr(), e.end - e.begin);
   return t;
 }
 

@@ -17,6 +17,7 @@
 // block; callers align to kDirectAlignment (4096), and a request that is
 // not aligned is refused with the values. A file system without O_DIRECT
 // (tmpfs) refuses the open, and the error says so.
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -44,6 +45,11 @@ class IoWork {
   IoWork() = default;
   void wait() const;
   bool completed() const;
+  // When the request was submitted, and when its last part finished (valid
+  // once completed): what a caller that overlaps I/O with compute measures
+  // its reads by.
+  std::chrono::steady_clock::time_point submitted_at() const;
+  std::chrono::steady_clock::time_point finished_at() const;
 
  private:
   friend class AsyncFile;
@@ -72,6 +78,9 @@ class AsyncFile {
   void reserve(int64_t offset, int64_t bytes);
 
   int64_t size() const;
+  // Asks the kernel to drop [offset, offset + bytes) from the page cache
+  // (posix_fadvise DONTNEED), so that the next read of it goes to the disk.
+  void drop_cache(int64_t offset, int64_t bytes);
   const std::string& path() const;
   bool direct() const;
 

@@ -91,6 +91,20 @@ class CheckpointReader {
   at::Tensor region(const std::string& name, const std::vector<int64_t>& offset,
                     const std::vector<int64_t>& length) const;
 
+  // Where each piece of a tensor lies on disk (Note [Checkpoint layout]),
+  // for readers that read the bytes themselves (streamed inference).
+  struct StoredPiece {
+    std::string path;                   // the rank file
+    std::string key;                    // the tensor's name in that file
+    SafetensorsFile::Location location; // its bytes in that file
+    std::vector<int64_t> offset, length;  // the region of the full tensor
+    int64_t flat_begin = 0, flat_end = 0;  // of the region, read row-major
+  };
+  std::vector<StoredPiece> stored_pieces(const std::string& name) const;
+  // The opened rank file `path` (as in StoredPiece::path), to check a
+  // piece's checksum.
+  const SafetensorsFile& file(const std::string& path) const;
+
  private:
   struct Piece {
     std::string file, key;
@@ -111,7 +125,8 @@ class CheckpointReader {
 
 // Writes the tensors named `prefix`... of a checkpoint, full and with the
 // prefix removed, into one safetensors file (readable by PyTorch and
-// Hugging Face's safetensors).
+// Hugging Face's safetensors). The checkpoint's metadata JSON goes into the
+// file's metadata as "tessera.checkpoint_metadata".
 void consolidate_checkpoint(const std::string& dir, const std::string& out_file, const std::string& prefix = "model/");
 
 }  // namespace train

@@ -15,6 +15,13 @@
 namespace tessera {
 namespace train {
 
+// Note [Tensor checksums]
+// write_safetensors stores a 64-bit checksum of every tensor's bytes
+// (core/hash.h) in the metadata, under "tessera.hash64.<name>" as 16 hex
+// digits; readers that read a tensor whole check it and refuse a damaged
+// file naming the tensor. Files without checksums (written by other tools)
+// are read unchecked; their header and sizes are still checked.
+
 // Writes `tensors` (any device; copied to the CPU, made contiguous) to
 // `path` atomically: into path + ".tmp", flushed, then renamed.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
@@ -28,7 +35,22 @@ class SafetensorsFile {
   std::vector<std::string> names() const;
   bool contains(const std::string& name) const { return entries_.count(name) > 0; }
   std::vector<int64_t> shape(const std::string& name) const;
-  at::Tensor read(const std::string& name) const;  // a new CPU tensor
+  at::Tensor read(const std::string& name) const;  // a new CPU tensor, its checksum checked
+
+  // Where a tensor's bytes lie in the file, for readers that read them
+  // themselves (streamed inference).
+  struct Location {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // from the start of the file
+    int64_t bytes = 0;
+    bool has_checksum = false;
+    uint64_t checksum = 0;  // Note [Tensor checksums]
+  };
+  Location location(const std::string& name) const;
+  // Throws naming the file and tensor if `data` (the tensor's bytes) does
+  // not match the stored checksum; no-op without one.
+  void check(const std::string& name, const void* data, int64_t bytes) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const std::string& path() const { return path_; }
 

@@ -1,0 +1,173 @@
+// offload_generate: inference of a GPT whose weights are 4x the memory
+// budget. Writes a randomly initialised GPT (GPT-2 medium's shape by
+// default: 24 layers, hidden 1024, vocab 50257, 355 M parameters, 1.42 GB
+// in fp32) as one safetensors file, then runs tessera_generate on it as
+// separate processes, so that each one's peak resident memory is its own:
+//
+//   1. in memory: no budget, every weight read once (the baseline);
+//   2. a budget of a quarter of the weights' bytes, with prefetch;
+//   3. the same budget without prefetch;
+//   4, 5. both again with every read from the disk (--drop-cache: the
+//      pages read are dropped from the page cache);
+//   6. (--tp N) the budget per rank, tensor-parallel over N ranks (mpirun).
+//
+// Each greedy, the same prompt and tokens; the logits of every step are
+// compared with the in-memory run's. Prints one JSON object per run and a
+// summary: peak RSS against the budget, decode tokens/s, the fraction of
+// the disk reads hidden behind compute, the largest logit difference, and
+// the read-bound rate (bytes per token over the measured read bandwidth).
+//
+//   offload_generate [--dir DIR] [--layers 24] [--hidden 1024] [--heads 16]
+//       [--vocab 50257] [--context 1024] [--prompt 8] [--tokens 16]
+//       [--fraction 0.25] [--tp 0] [--keep 0] [--generate PATH]
+//
+// Not an MPI program itself: it launches tessera_generate (and mpirun for --tp).
+#include <tessera/train/safetensors.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#ifndef TESSERA_GENERATE_PATH
+#error "TESSERA_GENERATE_PATH: the tessera_generate binary (set by bench/CMakeLists.txt)"
+#endif
+
+namespace {
+
+using Json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// models::GPT's names and shapes (Note [GPT full weights]), N(0, 0.02) weights,
+// biases 0.01 · N(0, 1), LayerNorm 1 + 0.1 · N(0, 1).
+std::vector<std::pair<std::string, at::Tensor>> random_gpt(int64_t layers, int64_t h, int64_t vocab, int64_t context) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  auto normal = [&](std::vector<int64_t> shape, double std) { return at::normal(0.0, std, shape, gen); };
+  std::vector<std::pair<std::string, at::Tensor>> w;
+  w.emplace_back("wte.weight", normal({vocab, h}, 0.02));
+  w.emplace_back("wpe.weight", normal({context, h}, 0.01));
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string p = "h." + std::to_string(i) + ".";
+    w.emplace_back(p + "ln_1.weight", 1 + normal({h}, 0.1));
+    w.emplace_back(p + "ln_1.bias", normal({h}, 0.01));
+    w.emplace_back(p + "attn.c_attn.weight", normal({3 * h, h}, 0.02));
+    w.emplace_back(p + "attn.c_attn.bias", normal({3 * h}, 0.01));
+    w.emplace_back(p + "attn.c_proj.weight", normal({h, h}, 0.02 / std::sqrt(2.0 * layers)));
+    w.emplace_back(p + "attn.c_proj.bias", normal({h}, 0.01));
+    w.emplace_back(p + "ln_2.weight", 1 + normal({h}, 0.1));
+    w.emplace_back(p + "ln_2.bias", normal({h}, 0.01));
+    w.emplace_back(p + "mlp.c_fc.weight", normal({4 * h, h}, 0.02));
+    w.emplace_back(p + "mlp.c_fc.bias", normal({4 * h}, 0.01));
+    w.emplace_back(p + "mlp.c_proj.weight", normal({h, 4 * h}, 0.02 / std::sqrt(2.0 * layers)));
+    w.emplace_back(p + "mlp.c_proj.bias", normal({h}, 0.01));
+  }
+  w.emplace_back("ln_f.weight", 1 + normal({h}, 0.1));
+  w.emplace_back("ln_f.bias", normal({h}, 0.01));
+  return w;
+}
+
+// Runs a command, returns the JSON line it printed last.
+Json run(const std::string& command, const std::string& out) {
+  const int status = std::system((command + " > " + out + " 2> " + out + ".err").c_str());
+  std::ifstream in(out), err(out + ".err");
+  std::string line, last, errors((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{') last = line;
+  TORCH_CHECK(status == 0 && !last.empty(), "offload_generate: '", command, "' failed (status ", status, "): ", errors);
+  return Json::parse(last);
+}
+
+double max_difference(const std::string& a, const std::string& b) {
+  tessera::train::SafetensorsFile fa(a), fb(b);
+  double worst = 0;
+  for (const auto& name : fa.names())
+    worst = std::max(worst, (fa.read(name) - fb.read(name)).abs().max().item<double>());
+  return worst;
+}
+
+int main_body(int argc, char** argv) {
+  std::map<std::string, std::string> a = {{"dir", "/tmp/tessera_offload_generate"},
+                                          {"layers", "24"},
+                                          {"hidden", "1024"},
+                                          {"heads", "16"},
+                                          {"vocab", "50257"},
+                                          {"context", "1024"},
+                                          {"prompt", "8"},
+                                          {"tokens", "16"},
+                                          {"fraction", "0.25"},
+                                          {"tp", "0"},
+                                          {"keep", "0"},
+                                          {"generate", TESSERA_GENERATE_PATH}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = std::string(argv[i]).substr(2);
+    TORCH_CHECK(std::string(argv[i]).rfind("--", 0) == 0 && a.count(key), "offload_generate: unknown flag ", argv[i]);
+    a[key] = argv[i + 1];
+  }
+  auto num = [&](const char* k) { return std::stoll(a[k]); };
+  fs::create_directories(a["dir"]);
+  const std::string weights = a["dir"] + "/gpt.safetensors";
+  int64_t bytes = 0;
+  {
+    auto w = random_gpt(num("layers"), num("hidden"), num("vocab"), num("context"));
+    for (const auto& t : w) bytes += t.second.numel() * 4;
+    if (!fs::exists(weights) || static_cast<int64_t>(fs::file_size(weights)) < bytes)
+      tessera::train::write_safetensors(
+          weights, w, {{"tessera.checkpoint_metadata", fmt::format(R"({{"gpt": {{"heads": {}}}}})", num("heads"))}});
+  }
+  const int64_t budget = static_cast<int64_t>(static_cast<double>(bytes) * std::stod(a["fraction"]));
+  std::string prompt;
+  for (int64_t i = 0; i < num("prompt"); ++i) prompt += (i ? "," : "") + std::to_string((i * 7919) % num("vocab"));
+  const std::string common = fmt::format(" --weights {} --prompt {} --tokens {} --temperature 0 --logits-out ",
+                                         weights, prompt, num("tokens"));
+  struct Run {
+    std::string name, launcher, flags;
+  };
+  std::vector<Run> runs = {{"in_memory", "", ""},
+                           {"budget_prefetch", "", fmt::format(" --max-memory {} --stream", budget)},
+                           {"budget_no_prefetch", "", fmt::format(" --max-memory {} --stream --no-prefetch", budget)},
+                           {"budget_prefetch_disk", "", fmt::format(" --max-memory {} --stream --drop-cache", budget)},
+                           {"budget_no_prefetch_disk", "",
+                            fmt::format(" --max-memory {} --stream --no-prefetch --drop-cache", budget)}};
+  if (num("tp") > 1)
+    runs.push_back({fmt::format("budget_prefetch_tp{}", num("tp")),
+                    fmt::format("mpirun -np {} --oversubscribe ", num("tp")),
+                    fmt::format(" --max-memory {} --stream", budget)});
+  Json summary = {{"bench", "offload_generate"}, {"weights_bytes", bytes}, {"budget_bytes", budget}};
+  for (const auto& r : runs) {
+    const std::string logits = a["dir"] + "/" + r.name + ".logits.safetensors";
+    Json j = run(r.launcher + a["generate"] + common + logits + r.flags, a["dir"] + "/" + r.name + ".out");
+    j["run"] = r.name;
+    j["max_logit_difference_vs_in_memory"] = max_difference(logits, a["dir"] + "/in_memory.logits.safetensors");
+    j["peak_rss_within_budget"] = r.name == "in_memory" ? Json(nullptr) : Json(j["peak_rss_bytes"] <= budget);
+    // Streamed, a token reads every weight: the rate the measured read bandwidth allows.
+    const double bandwidth = j["read_s"].get<double>() > 0 ? j["bytes_read"].get<double>() / j["read_s"].get<double>() : 0;
+    j["read_bandwidth_gbps"] = bandwidth / 1e9;
+    if (r.name != "in_memory" && bandwidth > 0) j["read_bound_tokens_per_s"] = bandwidth / static_cast<double>(bytes);
+    fmt::print("{}\n", j.dump());
+    summary[r.name] = {{"decode_tokens_per_s", j["decode_tokens_per_s"]},
+                       {"peak_rss_mb", j["peak_rss_bytes"].get<double>() / 1048576.0},
+                       {"hidden_fraction", j["hidden_fraction"]},
+                       {"max_logit_difference", j["max_logit_difference_vs_in_memory"]}};
+  }
+  fmt::print("{}\n", summary.dump());
+  if (num("keep") == 0) fs::remove_all(a["dir"]);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return main_body(argc, argv);
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "offload_generate: error: {}\n", e.what_without_backtrace());
+    return 1;
+  }
+}

@@ -1,0 +1,30 @@
+#include "tessera/train/atomic_file.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace tessera {
+namespace train {
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  bool ok = false;
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(f.good(), "cannot write ", tmp, "; is the directory there and writable?");
+    f.write(text.data(), static_cast<std::streamsize>(text.size()));
+    f.flush();
+    ok = f.good();
+  }
+  if (!ok) {
+    std::remove(tmp.c_str());
+    TORCH_CHECK(false, "writing ", text.size(), " bytes to ", tmp, " failed (is the disk full?); ", path,
+                " was left as it was");
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path);
+}
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,425 @@
+#include "tessera/train/streamed_gpt.h"
+
+#include "tessera/comm/agree.h"
+#include "tessera/comm/functional.h"
+#include "tessera/core/process_memory.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+namespace tessera {
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kAlign = 64;
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr const char* kBlockTensors[] = {"ln_1.weight",      "ln_1.bias",        "attn.c_attn.weight", "attn.c_attn.bias",
+                                         "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",        "ln_2.bias",
+                                         "mlp.c_fc.weight",  "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The weights of one unit, read into one buffer.
+struct Unit {
+  std::vector<StoredWeights::ReadPlan> reads;
+  std::vector<int64_t> offsets;  // of each read in the buffer
+  int64_t bytes = 0;
+  int64_t head_row = -1;  // a head chunk: its first vocabulary row
+};
+
+struct Load {
+  int64_t seq = -1;
+  std::vector<IoWork> works;
+  Clock::time_point issued;
+};
+
+}  // namespace
+
+int64_t StreamPlan::planned_bytes() const {
+  return baseline_bytes + (resident ? weight_bytes : buffers * buffer_bytes) + kv_bytes + work_bytes + margin_bytes;
+}
+
+std::string StreamPlan::describe() const {
+  const std::string weights = resident ? fmt::format("weights {:.1f} MiB in memory", weight_bytes / kMiB)
+                                       : fmt::format("weights {:.1f} MiB streamed through {} buffers of {:.1f} MiB",
+                                                     weight_bytes / kMiB, buffers, buffer_bytes / kMiB);
+  return fmt::format(
+      "{} ({} units, {} head chunks); process before {:.1f} MiB, KV cache {:.1f} MiB, working memory {:.1f} MiB, "
+      "margin {:.1f} MiB: {:.1f} MiB planned",
+      weights, units, head_chunks, baseline_bytes / kMiB, kv_bytes / kMiB, work_bytes / kMiB, margin_bytes / kMiB,
+      planned_bytes() / kMiB);
+}
+
+double StreamStats::hidden_fraction() const {
+  return read_seconds > 0 ? std::max(0.0, 1.0 - stall_seconds / read_seconds) : 1.0;
+}
+
+models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads) {
+  const std::string where = "weights " + w.path();
+  for (const char* name : {"wte.weight", "wpe.weight", "ln_f.weight", "h.0.ln_1.weight"})
+    TORCH_CHECK(w.contains(name), where, " are not a GPT (models::GPT's names): '", name, "' is missing");
+  for (const auto& name : w.names())
+    TORCH_CHECK(name.find(".mlp.router") == std::string::npos && name.find(".mlp.experts") == std::string::npos,
+                where, " hold mixture-of-experts blocks ('", name, "'), which streamed inference does not run yet");
+  models::GPTConfig c;
+  c.vocab = w.shape("wte.weight").at(0);
+  c.hidden = w.shape("wte.weight").at(1);
+  c.context = w.shape("wpe.weight").at(0);
+  c.layers = 0;
+  while (w.contains("h." + std::to_string(c.layers) + ".ln_1.weight")) ++c.layers;
+  c.tied = !w.contains("lm_head.weight");
+  c.dropout = 0;
+  if (heads <= 0) {
+    nlohmann::json meta = nlohmann::json::object();
+    try {
+      meta = nlohmann::json::parse(w.metadata_json());
+    } catch (const std::exception&) {
+    }
+    // Saved by hand ({"gpt": ...}) or through Trainer::save, which keeps the caller's under "extra".
+    for (const auto& m : {meta, meta.is_object() ? meta.value("extra", nlohmann::json::object()) : meta})
+      if (heads <= 0 && m.is_object() && m.contains("gpt") && m["gpt"].is_object() && m["gpt"].contains("heads"))
+        heads = m["gpt"]["heads"].get<int64_t>();
+  }
+  TORCH_CHECK(heads > 0, where, " do not say how many attention heads the model has (their metadata has no "
+                            "gpt.heads); pass it (--heads)");
+  c.heads = heads;
+  TORCH_CHECK(c.hidden % c.heads == 0, where, ": hidden size ", c.hidden, " is not divisible by ", c.heads, " heads");
+  for (int64_t i = 0; i < c.layers; ++i)
+    for (const char* t : kBlockTensors)
+      TORCH_CHECK(w.contains("h." + std::to_string(i) + "." + t), where, ": block ", i, " has no '", t, "'");
+  return c;
+}
+
+struct StreamedGPT::Impl {
+  std::shared_ptr<StoredWeights> w;
+  StreamedGPTOptions o;
+  models::GPTConfig c;
+  comm::CommunicatorPtr group;
+  int64_t tp = 1, rank = 0;
+  int64_t lh = 0, d = 0, lf = 0, v0 = 0, v1 = 0, max_length = 0;
+  std::string head_name;
+  std::vector<Unit> units;  // blocks, then head chunks
+  StreamPlan plan;
+  at::Tensor ln_f_w, ln_f_b;
+  std::vector<at::Tensor> resident;  // per unit, when resident
+  std::vector<at::Tensor> buffers;
+  std::vector<Load> loads;  // per buffer
+  int64_t next_issue = 0, next_use = 0;
+  bool broken = false;
+  std::vector<at::Tensor> k_cache, v_cache;  // per layer [batch, lh, max_length, d]
+  int64_t batch = 0, pos = 0;
+  StreamStats stats;
+
+  Unit block_unit(int64_t i) const {
+    Unit u;
+    const std::string p = "h." + std::to_string(i) + ".";
+    const int64_t h = c.hidden;
+    auto add = [&](const std::string& name, std::vector<int64_t> off, std::vector<int64_t> len) {
+      u.reads.push_back(w->plan(p + name, off, len));
+      u.offsets.push_back(u.bytes);
+      u.bytes += aligned(u.reads.back().bytes);
+    };
+    const int64_t qkv = 3 * lh * d, q0 = rank * qkv, f0 = rank * lf;
+    add("ln_1.weight", {0}, {h});
+    add("ln_1.bias", {0}, {h});
+    add("attn.c_attn.weight", {q0, 0}, {qkv, h});
+    add("attn.c_attn.bias", {q0}, {qkv});
+    add("attn.c_proj.weight", {0, rank * lh * d}, {h, lh * d});
+    add("attn.c_proj.bias", {0}, {h});
+    add("ln_2.weight", {0}, {h});
+    add("ln_2.bias", {0}, {h});
+    add("mlp.c_fc.weight", {f0, 0}, {lf, h});
+    add("mlp.c_fc.bias", {f0}, {lf});
+    add("mlp.c_proj.weight", {0, f0}, {h, lf});
+    add("mlp.c_proj.bias", {0}, {h});
+    return u;
+  }
+
+  // A unit's tensors over its buffer, in float.
+  std::vector<at::Tensor> tensors(int64_t unit, char* base) const {
+    std::vector<at::Tensor> out;
+    const Unit& u = units[unit];
+    for (size_t i = 0; i < u.reads.size(); ++i) {
+      const auto& r = u.reads[i];
+      out.push_back(at::from_blob(base + u.offsets[i], r.length, at::TensorOptions().dtype(r.dtype)).to(at::kFloat));
+    }
+    return out;
+  }
+
+  void issue(int64_t seq) {
+    const int64_t k = static_cast<int64_t>(buffers.size());
+    Load& l = loads[seq % k];
+    l.seq = seq;
+    l.works.clear();
+    l.issued = Clock::now();
+    const int64_t unit = seq % static_cast<int64_t>(units.size());
+    auto* base = static_cast<char*>(buffers[seq % k].data_ptr());
+    const Unit& u = units[unit];
+    for (size_t i = 0; i < u.reads.size(); ++i) {
+      w->issue(u.reads[i], base + u.offsets[i], l.works);
+      stats.bytes_read += u.reads[i].bytes;
+    }
+  }
+
+  // Waits for a load and accounts for it; throws its I/O error.
+  void finish(Load& l, const Unit& u, char* base, bool count_stall) {
+    const auto t0 = Clock::now();
+    Clock::time_point done = l.issued;
+    for (const auto& work : l.works) {
+      work.wait();
+      done = std::max(done, work.finished_at());
+    }
+    if (count_stall) stats.stall_seconds += seconds(Clock::now() - t0);
+    stats.read_seconds += seconds(done - l.issued);
+    l.works.clear();
+    for (size_t i = 0; i < u.reads.size(); ++i) w->complete(u.reads[i], base + u.offsets[i]);
+  }
+
+  // The next unit's weights, read (Note [Streamed inference]).
+  std::vector<at::Tensor> acquire(int64_t unit) {
+    if (plan.resident) return tensors(unit, static_cast<char*>(resident[unit].data_ptr()));
+    const int64_t seq = next_use, k = static_cast<int64_t>(buffers.size());
+    TORCH_INTERNAL_ASSERT(seq % static_cast<int64_t>(units.size()) == unit, "streamed units out of order");
+    while (next_issue <= seq) issue(next_issue++);
+    char* base = static_cast<char*>(buffers[seq % k].data_ptr());
+    // A damaged shard may be one rank's only: the group stops together.
+    if (tp > 1)
+      comm::on_every_rank(group, "StreamedGPT: reading weights", [&] { finish(loads[seq % k], units[unit], base, true); });
+    else
+      finish(loads[seq % k], units[unit], base, true);
+    return tensors(unit, base);
+  }
+
+  void release() {
+    const int64_t seq = next_use++;
+    if (plan.resident || !o.prefetch()) return;
+    const int64_t next = seq + static_cast<int64_t>(buffers.size());
+    while (next_issue <= next) issue(next_issue++);
+  }
+
+  at::Tensor all_reduce(const at::Tensor& t) const { return tp > 1 ? comm::raw::all_reduce(t, *group) : t; }
+
+  at::Tensor block(int64_t layer, const std::vector<at::Tensor>& p, const at::Tensor& x) {
+    const int64_t b = x.size(0), t = x.size(1), h = c.hidden;
+    at::Tensor a = at::layer_norm(x, {h}, p[0], p[1], 1e-5);
+    at::Tensor qkv = at::linear(a, p[2], p[3]).view({b, t, lh, 3, d}).permute({3, 0, 2, 1, 4});  // [3, b, lh, t, d]
+    k_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(qkv[1]);
+    v_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(qkv[2]);
+    const at::Tensor keys = k_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
+    const at::Tensor values = v_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
+    at::Tensor scores = at::matmul(qkv[0], keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+    if (t > 1) {  // query i (at pos + i) sees keys 0 .. pos + i
+      const at::Tensor q_pos = at::arange(pos, pos + t, at::kLong).unsqueeze(1);
+      const at::Tensor k_pos = at::arange(0, pos + t, at::kLong).unsqueeze(0);
+      scores = scores.masked_fill(k_pos > q_pos, -std::numeric_limits<float>::infinity());
+    }
+    at::Tensor att = at::matmul(at::softmax(scores, -1), values).permute({0, 2, 1, 3}).reshape({b, t, lh * d});
+    at::Tensor y = x + all_reduce(at::linear(att, p[4])) + p[5];
+    at::Tensor m = at::gelu(at::linear(at::layer_norm(y, {h}, p[6], p[7], 1e-5), p[8], p[9]));
+    return y + all_reduce(at::linear(m, p[10])) + p[11];
+  }
+
+  // Reads a box now, in float (small reads: embedding rows, ln_f).
+  at::Tensor read_now(const std::vector<StoredWeights::ReadPlan>& plans) {
+    std::vector<at::Tensor> parts;
+    std::vector<IoWork> works;
+    for (const auto& r : plans) {
+      parts.push_back(at::empty(r.length, at::TensorOptions().dtype(r.dtype)));
+      w->issue(r, parts.back().data_ptr(), works);
+      stats.bytes_read += r.bytes;
+    }
+    for (const auto& work : works) work.wait();
+    for (size_t i = 0; i < plans.size(); ++i) w->complete(plans[i], parts[i].data_ptr());
+    return at::cat(parts).to(at::kFloat);
+  }
+
+  // Rows of a [rows, hidden] table (token or position embedding).
+  at::Tensor rows(const std::string& name, const at::Tensor& index) {
+    std::vector<StoredWeights::ReadPlan> plans;
+    const auto* ids = index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < index.numel(); ++i) plans.push_back(w->plan(name, {ids[i], 0}, {1, c.hidden}));
+    return read_now(plans);
+  }
+
+  at::Tensor run(const at::Tensor& ids) {
+    const int64_t b = ids.size(0), t = ids.size(1);
+    at::Tensor flat = ids.reshape({-1}).contiguous();
+    at::Tensor x = (rows("wte.weight", flat).view({b, t, c.hidden}) +
+                    rows("wpe.weight", at::arange(pos, pos + t, at::kLong)).unsqueeze(0));
+    for (int64_t i = 0; i < c.layers; ++i) {
+      x = block(i, acquire(i), x);
+      release();
+    }
+    x = at::layer_norm(x, {c.hidden}, ln_f_w, ln_f_b, 1e-5);
+    at::Tensor logits = at::zeros({b, t, c.vocab}, at::kFloat);
+    for (int64_t unit = c.layers; unit < static_cast<int64_t>(units.size()); ++unit) {
+      const at::Tensor table = acquire(unit)[0];
+      logits.narrow(2, units[unit].head_row, table.size(0)).copy_(at::matmul(x, table.t()));
+      release();
+    }
+    return all_reduce(logits);
+  }
+};
+
+StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.w = std::move(weights);
+  m.o = std::move(options);
+  m.group = m.o.group();
+  comm::on_every_rank(m.group, "StreamedGPT", [&] {
+    TORCH_CHECK(m.w != nullptr, "StreamedGPT needs weights");
+    const int64_t baseline = resident_bytes();
+    m.c = gpt_config_from_weights(*m.w, m.o.heads());
+    m.tp = m.group ? m.group->size() : 1;
+    m.rank = m.group ? m.group->rank() : 0;
+    const auto& c = m.c;
+    TORCH_CHECK(m.o.max_memory() >= 0, "StreamedGPT: max_memory must be >= 0 (0: no limit), got ", m.o.max_memory());
+    TORCH_CHECK(m.o.batch() >= 1, "StreamedGPT: batch must be >= 1, got ", m.o.batch());
+    TORCH_CHECK(!m.o.prefetch() || m.o.buffers() >= 2, "StreamedGPT: prefetch needs buffers >= 2 (one computes while ",
+                "the others load), got ", m.o.buffers(), "; set prefetch(false) to stream through one buffer");
+    m.max_length = m.o.max_length() == 0 ? c.context : m.o.max_length();
+    TORCH_CHECK(m.max_length >= 1 && m.max_length <= c.context, "StreamedGPT: max_length ", m.o.max_length(),
+                " must lie in [1, ", c.context, "] (the context length; 0 means the context length)");
+    TORCH_CHECK(c.heads % m.tp == 0 && (4 * c.hidden) % m.tp == 0, "StreamedGPT: ", c.heads, " heads and ",
+                4 * c.hidden, " MLP columns must be divisible by the ", m.tp, " tensor-parallel ranks");
+    m.d = c.hidden / c.heads;
+    m.lh = c.heads / m.tp;
+    m.lf = 4 * c.hidden / m.tp;
+    m.v0 = m.rank * c.vocab / m.tp;
+    m.v1 = (m.rank + 1) * c.vocab / m.tp;
+    m.head_name = c.tied ? "wte.weight" : "lm_head.weight";
+    for (int64_t i = 0; i < c.layers; ++i) m.units.push_back(m.block_unit(i));
+    // Head chunks no larger than a block, so they share its buffers.
+    const int64_t row_bytes = c.hidden * static_cast<int64_t>(c10::elementSize(m.w->dtype(m.head_name)));
+    const int64_t chunk = std::max<int64_t>(1, m.units[0].bytes / row_bytes);
+    for (int64_t r = m.v0; r < m.v1; r += chunk) {
+      Unit u;
+      u.head_row = r;
+      u.reads.push_back(m.w->plan(m.head_name, {r, 0}, {std::min(chunk, m.v1 - r), c.hidden}));
+      u.offsets.push_back(0);
+      u.bytes = aligned(u.reads[0].bytes);
+      m.units.push_back(std::move(u));
+    }
+    // The plan (Note [Streamed inference]).
+    StreamPlan& p = m.plan;
+    p.baseline_bytes = baseline;
+    p.units = static_cast<int64_t>(m.units.size());
+    p.head_chunks = p.units - c.layers;
+    int64_t largest_tensor = 0;  // not float: converted when used
+    for (const auto& u : m.units) {
+      p.weight_bytes += u.bytes;
+      p.buffer_bytes = std::max(p.buffer_bytes, u.bytes);
+      for (const auto& r : u.reads)
+        if (r.dtype != at::kFloat) largest_tensor = std::max(largest_tensor, r.bytes / int64_t(c10::elementSize(r.dtype)));
+    }
+    const int64_t b = m.o.batch(), len = m.max_length, h = c.hidden, f = 4;
+    p.kv_bytes = 2 * c.layers * b * m.lh * len * m.d * f;
+    // A forward of max_length tokens: residual stream and norms, q/k/v, MLP
+    // activations, scores and their softmax, full and chunk logits, and the
+    // largest tensor converted to float when the weights are not float.
+    const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + 2 * m.lf + 2 * c.vocab + p.buffer_bytes / row_bytes) +
+                           2 * b * m.lh * len * len + 2 * largest_tensor;
+    p.work_bytes = floats * f;
+    p.margin_bytes = std::max<int64_t>(16 << 20, m.o.max_memory() / 20);
+    p.resident = m.o.resident_if_fits() &&
+                 (m.o.max_memory() == 0 || p.baseline_bytes + p.weight_bytes + p.kv_bytes + p.work_bytes +
+                                                   p.margin_bytes <= m.o.max_memory());
+    if (!p.resident) {
+      p.buffers = m.o.prefetch() ? std::min<int64_t>(m.o.buffers(), p.units) : 1;
+      const int64_t one = p.baseline_bytes + p.buffer_bytes + p.kv_bytes + p.work_bytes + p.margin_bytes;
+      TORCH_CHECK(m.o.max_memory() == 0 || p.planned_bytes() <= m.o.max_memory(), "StreamedGPT: a budget of ",
+                  fmt::format("{:.1f}", m.o.max_memory() / kMiB), " MiB per rank cannot hold the plan: ",
+                  p.describe(), ". The smallest budget that works is ",
+                  fmt::format("{:.1f}", p.planned_bytes() / kMiB), " MiB (",
+                  fmt::format("{:.1f}", one / kMiB),
+                  " MiB without prefetch); raise max_memory, lower max_length or batch, or split the layers over "
+                  "more tensor-parallel ranks");
+    }
+    // Allocate and (resident) read.
+    m.ln_f_w = m.read_now({m.w->plan_whole("ln_f.weight")});
+    m.ln_f_b = m.read_now({m.w->plan_whole("ln_f.bias")});
+    for (int64_t i = 0; i < c.layers; ++i) {
+      m.k_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
+      m.v_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
+    }
+    if (p.resident) {
+      for (const auto& u : m.units) {
+        m.resident.push_back(at::empty({u.bytes}, at::kByte));
+        Load l;
+        l.issued = Clock::now();
+        char* base = static_cast<char*>(m.resident.back().data_ptr());
+        for (size_t i = 0; i < u.reads.size(); ++i) {
+          m.w->issue(u.reads[i], base + u.offsets[i], l.works);
+          m.stats.bytes_read += u.reads[i].bytes;
+        }
+        m.finish(l, u, base, false);
+      }
+    } else {
+      for (int64_t i = 0; i < p.buffers; ++i) m.buffers.push_back(at::empty({p.buffer_bytes}, at::kByte));
+      m.loads.resize(p.buffers);
+      if (m.o.prefetch())
+        while (m.next_issue < p.buffers) m.issue(m.next_issue++);
+    }
+  });
+  m.batch = m.o.batch();
+}
+
+StreamedGPT::~StreamedGPT() {
+  for (auto& l : impl_->loads)
+    for (const auto& work : l.works) try {
+        work.wait();
+      } catch (...) {  // a destructor does not throw; the error was or will not be needed
+      }
+}
+
+const models::GPTConfig& StreamedGPT::config() const { return impl_->c; }
+const StreamPlan& StreamedGPT::plan() const { return impl_->plan; }
+const StreamStats& StreamedGPT::stats() const { return impl_->stats; }
+void StreamedGPT::reset_stats() { impl_->stats = StreamStats{}; }
+const comm::CommunicatorPtr& StreamedGPT::group() const { return impl_->group; }
+int64_t StreamedGPT::position() const { return impl_->pos; }
+
+void StreamedGPT::reset(int64_t batch) {
+  TORCH_CHECK(batch >= 1 && batch <= impl_->o.batch(), "StreamedGPT::reset: batch ", batch, " must lie in [1, ",
+              impl_->o.batch(), "] (options.batch sizes the KV cache)");
+  impl_->batch = batch;
+  impl_->pos = 0;
+}
+
+at::Tensor StreamedGPT::forward(const at::Tensor& ids) {
+  Impl& m = *impl_;
+  TORCH_CHECK(!m.broken, "StreamedGPT: an earlier forward failed (its error said why); build a new model");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == m.batch && ids.size(1) >= 1 && ids.scalar_type() == at::kLong,
+              "StreamedGPT::forward: ids must be int64 [", m.batch, ", t >= 1] (the batch of the last reset), got ",
+              ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK(m.pos + ids.size(1) <= m.max_length, "StreamedGPT::forward: ", ids.size(1), " tokens after ", m.pos,
+              " exceed max_length ", m.max_length, "; reset() or build the model with a larger max_length");
+  const at::Tensor cpu_ids = ids.to(at::kCPU).contiguous();
+  TORCH_CHECK(cpu_ids.min().item<int64_t>() >= 0 && cpu_ids.max().item<int64_t>() < m.c.vocab,
+              "StreamedGPT::forward: token ids must lie in [0, ", m.c.vocab, ")");
+  const auto t0 = Clock::now();
+  at::Tensor logits;
+  try {
+    logits = m.run(cpu_ids);
+  } catch (...) {
+    m.broken = true;
+    throw;
+  }
+  m.pos += ids.size(1);
+  m.stats.forwards += 1;
+  m.stats.tokens += ids.numel();
+  m.stats.forward_seconds += seconds(Clock::now() - t0);
+  return logits;
+}
+
+}  // namespace train
+}  // namespace tessera
