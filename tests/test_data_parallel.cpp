@@ -486,7 +486,7 @@ TEST_F(DataParallelOptions, DiskOffloadRefusesWhatItCannotDo) {
 // to go on with states it lost.
 TEST_F(DataParallelOptions, DiskOffloadOnAFullDiskStopsEveryRank) {
   const auto world = test::world();
-  const std::string dir = ::testing::TempDir() + "tessera_full_disk";
+  const std::string dir = ::testing::TempDir() + "tessera_full_disk_np" + std::to_string(world->size());
   int mounted = 0;
   if (world->rank() == 0) {
     ::mkdir(dir.c_str(), 0700);

@@ -39,10 +39,11 @@ models::GPTConfig config() {
   return c;
 }
 
-// A directory every rank sees, emptied by rank 0.
+// A directory every rank sees, emptied by rank 0; one per world size, as
+// ctest runs the np1 and np2 variants at once.
 std::string shared_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "tessera_streamed_" + name;
   auto w = test::world();
+  const std::string dir = ::testing::TempDir() + "tessera_streamed_" + name + "_np" + std::to_string(w->size());
   if (w->rank() == 0) {
     fs::remove_all(dir);
     fs::create_directories(dir);
@@ -277,7 +278,7 @@ TEST(StreamedGPT, RefusesABudgetItCannotKeepAndBadOptions) {
 TEST(StreamedGPT, AnOutputFileOnAFullDiskLeavesTheEarlierOne) {
   auto w = test::world();
   if (w->rank() != 0) return;
-  const std::string dir = ::testing::TempDir() + "tessera_full_output";
+  const std::string dir = ::testing::TempDir() + "tessera_full_output_np" + std::to_string(w->size());
   ::mkdir(dir.c_str(), 0700);
   const bool mounted = ::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") == 0;
   struct rlimit old_limit {};
