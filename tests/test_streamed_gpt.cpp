@@ -172,6 +172,32 @@ TEST(StreamedGPT, GreedyGenerationFollowsTheSerialModel) {
   }
 }
 
+// bf16 weights (train_gpt --precision bf16 saves them so): read as stored,
+// computed in float; equal to the reference given the same rounded weights.
+TEST(StreamedGPT, Bf16WeightsComputeInFloat) {
+  auto weights = test::gpt_initial_weights(config(), 29);
+  for (auto& entry : weights) entry.second = entry.second.to(at::kBFloat16);
+  const Stored s = store("bf16", weights, config().heads);
+  std::map<std::string, at::Tensor> rounded;
+  for (const auto& [name, t] : weights) rounded[name] = t.to(at::kFloat);
+  const at::Tensor ids = test::seeded_token_ids(6, config().vocab, 2, 12);
+  const at::Tensor expected = reference_logits(rounded, ids);
+  for (const std::string& path : {s.file, s.checkpoint}) {
+    SCOPED_TRACE(path);
+    auto stored = std::make_shared<StoredWeights>(path);
+    EXPECT_EQ(stored->dtype("h.0.attn.c_attn.weight"), at::kBFloat16);
+    StreamedGPT model(stored, StreamedGPTOptions().batch(2).max_length(12).resident_if_fits(false).group(tp_group()));
+    const at::Tensor got = streamed_logits(model, ids);
+    EXPECT_EQ(got.scalar_type(), at::kFloat);
+    EXPECT_LT((got - expected).abs().max().item<double>(), 2e-5);
+    // About half the bytes the same weights take in fp32 (blocks and head, this rank's share).
+    int64_t fp32 = 0;
+    for (const auto& [name, t] : weights)
+      if (name.rfind("h.", 0) == 0 || name == "wte.weight") fp32 += t.numel() * 4 / test::world()->size();
+    EXPECT_LT(model.plan().weight_bytes, fp32 * 6 / 10);
+  }
+}
+
 TEST(StreamedGPT, SamplingDrawsFromTheTopKAtTheTemperature) {
   at::Tensor logits = at::tensor({0.0, 3.0, 1.0, 2.5, -1.0, 2.9}, at::kFloat).repeat({4000, 1});
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
