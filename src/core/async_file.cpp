@@ -224,6 +224,45 @@ IoWork AsyncFile::read(void* dst, int64_t bytes, int64_t offset) {
   return IoWork(submit(*pool_, static_cast<char*>(dst), bytes, offset, /*write=*/false));
 }
 
+IoWork AsyncFile::read_batch(const std::vector<IoRequest>& requests) {
+  auto state = std::make_shared<detail::IoState>();
+  int64_t total = 0;
+  for (const auto& r : requests) {
+    TORCH_CHECK(r.bytes >= 0 && r.offset >= 0, "AsyncFile: negative size ", r.bytes, " or offset ", r.offset);
+    check_aligned(*pool_, r.buffer, r.bytes, r.offset);
+    total += r.bytes;
+  }
+  if (total == 0) return IoWork(state);
+  // Consecutive requests, cut into parts of about total / threads bytes.
+  const auto threads = static_cast<int64_t>(pool_->threads.size());
+  const int64_t share = (total + threads - 1) / threads;
+  std::vector<std::vector<IoRequest>> parts(1);
+  int64_t in_part = 0;
+  for (const auto& r : requests) {
+    if (in_part >= share) parts.emplace_back(), in_part = 0;
+    parts.back().push_back(r);
+    in_part += r.bytes;
+  }
+  state->remaining = static_cast<int>(parts.size());
+  detail::FilePool& pool = *pool_;
+  for (auto& part : parts) {
+    pool.post([&pool, state, part = std::move(part)] {
+      std::string error;
+      for (const auto& r : part) {
+        error = transfer(pool.fd, static_cast<char*>(r.buffer), r.bytes, r.offset, /*write=*/false, pool.path);
+        if (!error.empty()) break;
+      }
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (!error.empty() && state->error.empty()) state->error = std::move(error);
+        if (--state->remaining == 0) state->finished = std::chrono::steady_clock::now();
+      }
+      state->done.notify_all();
+    });
+  }
+  return IoWork(state);
+}
+
 IoWork AsyncFile::write(const void* src, int64_t bytes, int64_t offset) {
   check_aligned(*pool_, src, bytes, offset);
   return IoWork(submit(*pool_, const_cast<char*>(static_cast<const char*>(src)), bytes, offset, /*write=*/true));

@@ -220,9 +220,18 @@ StoredWeights::ReadPlan StoredWeights::plan(const std::string& name, const std::
 }
 
 void StoredWeights::issue(const ReadPlan& plan, void* dst, std::vector<IoWork>& works) {
+  // Large extents are split between the I/O threads; small ones (rows of a
+  // shard, pieces of a checkpoint) go to each file as one batch.
+  constexpr int64_t kLarge = int64_t(1) << 20;
   auto* base = static_cast<char*>(dst);
-  for (const auto& e : plan.extents)
-    works.push_back(impl_->files[e.file]->read(base + e.dst_offset, e.bytes, e.file_offset));
+  std::map<int, std::vector<IoRequest>> small;
+  for (const auto& e : plan.extents) {
+    if (e.bytes >= kLarge)
+      works.push_back(impl_->files[e.file]->read(base + e.dst_offset, e.bytes, e.file_offset));
+    else
+      small[e.file].push_back(IoRequest{base + e.dst_offset, e.bytes, e.file_offset});
+  }
+  for (const auto& [file, requests] : small) works.push_back(impl_->files[file]->read_batch(requests));
   impl_->bytes_read += plan.bytes;
 }
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace tessera {
 
@@ -57,6 +58,13 @@ class IoWork {
   std::shared_ptr<detail::IoState> state_;
 };
 
+// One read of a batch (AsyncFile::read_batch).
+struct IoRequest {
+  void* buffer = nullptr;
+  int64_t bytes = 0;
+  int64_t offset = 0;
+};
+
 class AsyncFile {
  public:
   // A new file in `dir` that nobody else sees: it is unlinked at once, so
@@ -73,6 +81,10 @@ class AsyncFile {
   // The buffer must stay alive and untouched until the work completes.
   IoWork read(void* dst, int64_t bytes, int64_t offset);
   IoWork write(const void* src, int64_t bytes, int64_t offset);
+  // Many small reads as one work: the requests are dealt to at most
+  // `threads` jobs of about equal bytes, each reading its own in turn, so
+  // scattered reads (a shard's rows) do not cost a job each.
+  IoWork read_batch(const std::vector<IoRequest>& requests);
   // Allocates [offset, offset + bytes) on the disk now (posix_fallocate), so
   // a full disk is reported here rather than by a later write.
   void reserve(int64_t offset, int64_t bytes);
