@@ -94,6 +94,8 @@ int run(int argc, char** argv) {
     a[key] = argv[++i];
   }
   TORCH_CHECK(!a["weights"].empty(), "--weights is required: a safetensors file or a checkpoint directory");
+  TORCH_CHECK(prefetch || a["buffers"] == "2", "--buffers sets the buffers of prefetch; --no-prefetch streams ",
+              "through one buffer: drop one of the two");
   auto number = [&](const std::string& key) {
     try {
       return std::stod(a[key]);
