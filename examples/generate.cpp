@@ -19,7 +19,7 @@
 //   --max-memory SIZE     per process, e.g. 300M, 2G; 0: no limit [0]
 //   --stream              stream the weights even when the budget holds them all
 //   --no-prefetch         read each layer when it is needed, not ahead
-//   --buffers K           streaming buffers with prefetch [2]
+//   --buffers K           streaming buffers with prefetch; refused with --no-prefetch [2]
 //   --io-threads N        reader threads per file [2]
 //   --drop-cache          drop what was read from the page cache: every read goes to the disk
 //   --out FILE            the tokens, text and measurements as JSON (written atomically)
@@ -79,7 +79,7 @@ int run(int argc, char** argv) {
   std::map<std::string, std::string> a = {
       {"weights", ""}, {"heads", "0"},        {"prompt", "0"},       {"prompt-text", ""}, {"tokens", "32"},
       {"batch", "1"},  {"temperature", "0.8"}, {"top-k", "0"},        {"seed", "1"},       {"max-memory", "0"},
-      {"buffers", "2"}, {"io-threads", "2"},  {"out", ""},           {"logits-out", ""}};
+      {"buffers", "0"}, {"io-threads", "2"},  {"out", ""},           {"logits-out", ""}};
   bool stream = false, prefetch = true, drop_cache = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -94,8 +94,6 @@ int run(int argc, char** argv) {
     a[key] = argv[++i];
   }
   TORCH_CHECK(!a["weights"].empty(), "--weights is required: a safetensors file or a checkpoint directory");
-  TORCH_CHECK(prefetch || a["buffers"] == "2", "--buffers sets the buffers of prefetch; --no-prefetch streams ",
-              "through one buffer: drop one of the two");
   auto number = [&](const std::string& key) {
     try {
       return std::stod(a[key]);

@@ -58,12 +58,11 @@ std::string shared_dir(const std::string& name) {
 // ranges (1-d tensors: two flat ranges).
 struct Stored {
   std::string file, checkpoint;
-  std::map<std::string, at::Tensor> weights;
 };
 
 Stored store(const std::string& name, const std::map<std::string, at::Tensor>& weights, int64_t heads) {
   auto w = test::world();
-  Stored s{shared_dir(name) + "/gpt.safetensors", shared_dir(name) + "/ckpt", weights};
+  Stored s{shared_dir(name) + "/gpt.safetensors", shared_dir(name) + "/ckpt"};
   if (w->rank() == 0) {
     std::vector<std::pair<std::string, at::Tensor>> list(weights.begin(), weights.end());
     train::write_safetensors(s.file, list, {{"tessera.checkpoint_metadata", R"({"gpt": {"heads": )" +
@@ -134,7 +133,7 @@ TEST(StreamedGPT, LogitsEqualTheSerialModelFromEverySourceAndPlan) {
       StreamedGPTOptions options;
     };
     const auto base = StreamedGPTOptions().batch(2).max_length(16).group(tp_group());
-    for (const auto& plan : {Plan{"in memory", base}, Plan{"prefetch 2", StreamedGPTOptions(base).resident_if_fits(false)},
+    for (const auto& plan : {Plan{"in memory", base}, Plan{"prefetch 2", StreamedGPTOptions(base).resident_if_fits(false).buffers(2)},
                              Plan{"prefetch 3", StreamedGPTOptions(base).resident_if_fits(false).buffers(3)},
                              Plan{"no prefetch", StreamedGPTOptions(base).resident_if_fits(false).prefetch(false)}}) {
       SCOPED_TRACE(path + ", " + plan.name);
@@ -289,7 +288,9 @@ TEST(StreamedGPT, RefusesABudgetItCannotKeepAndBadOptions) {
   const std::string error = test::error_of([&] { StreamedGPT(stored, StreamedGPTOptions(options).max_memory(now / 2)); });
   EXPECT_NE(error.find("cannot hold the plan"), std::string::npos) << error;
   EXPECT_NE(error.find("The smallest budget that works is"), std::string::npos) << error;
-  EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).buffers(1)); }, "prefetch needs buffers >= 2"));
+  EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).buffers(1)); }, "with prefetch it must be >= 2"));
+  EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).prefetch(false).buffers(3)); },
+                                "without prefetch leave it 0"));
   EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).max_length(33)); }, "max_length 33 must lie in"));
   EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).heads(5)); }, "not divisible by 5 heads"));
   StreamedGPT model(stored, StreamedGPTOptions(options).max_length(4).batch(2));

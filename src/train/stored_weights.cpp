@@ -46,7 +46,6 @@ struct StoredWeights::Impl {
   std::vector<Piece> pieces;
   std::vector<char> checked;
   std::map<std::string, Tensor> tensors;
-  int64_t bytes_read = 0;
 
   int file_index(const std::string& file) {
     for (const auto i : c10::irange(file_paths.size()))
@@ -132,7 +131,6 @@ bool StoredWeights::contains(const std::string& name) const { return impl_->tens
 std::vector<int64_t> StoredWeights::shape(const std::string& name) const { return impl_->tensor(name).shape; }
 at::ScalarType StoredWeights::dtype(const std::string& name) const { return impl_->tensor(name).dtype; }
 std::string StoredWeights::metadata_json() const { return impl_->metadata; }
-int64_t StoredWeights::bytes_read() const { return impl_->bytes_read; }
 
 StoredWeights::ReadPlan StoredWeights::plan_whole(const std::string& name) const {
   const auto s = shape(name);
@@ -151,7 +149,6 @@ StoredWeights::ReadPlan StoredWeights::plan(const std::string& name, const std::
                 m.path, ": the box of '", name, "' at ", c10::IntArrayRef(box_offset), " of ",
                 c10::IntArrayRef(box_length), " lies outside its shape ", c10::IntArrayRef(t.shape));
   ReadPlan plan;
-  plan.name = name;
   plan.dtype = t.dtype;
   plan.length = box_length;
   const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
@@ -232,7 +229,6 @@ void StoredWeights::issue(const ReadPlan& plan, void* dst, std::vector<IoWork>& 
       small[e.file].push_back(IoRequest{base + e.dst_offset, e.bytes, e.file_offset});
   }
   for (const auto& [file, requests] : small) works.push_back(impl_->files[file]->read_batch(requests));
-  impl_->bytes_read += plan.bytes;
 }
 
 void StoredWeights::complete(const ReadPlan& plan, const void* dst) {

@@ -36,7 +36,6 @@ struct Unit {
 };
 
 struct Load {
-  int64_t seq = -1;
   std::vector<IoWork> works;
   Clock::time_point issued;
 };
@@ -157,7 +156,6 @@ struct StreamedGPT::Impl {
   void issue(int64_t seq) {
     const int64_t k = static_cast<int64_t>(buffers.size());
     Load& l = loads[seq % k];
-    l.seq = seq;
     l.works.clear();
     l.issued = Clock::now();
     const int64_t unit = seq % static_cast<int64_t>(units.size());
@@ -284,8 +282,9 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     const auto& c = m.c;
     TORCH_CHECK(m.o.max_memory() >= 0, "StreamedGPT: max_memory must be >= 0 (0: no limit), got ", m.o.max_memory());
     TORCH_CHECK(m.o.batch() >= 1, "StreamedGPT: batch must be >= 1, got ", m.o.batch());
-    TORCH_CHECK(!m.o.prefetch() || m.o.buffers() >= 2, "StreamedGPT: prefetch needs buffers >= 2 (one computes while ",
-                "the others load), got ", m.o.buffers(), "; set prefetch(false) to stream through one buffer");
+    TORCH_CHECK(m.o.buffers() == 0 || (m.o.prefetch() && m.o.buffers() >= 2), "StreamedGPT: buffers ",
+                m.o.buffers(), " is refused: with prefetch it must be >= 2 (one computes while the others load), ",
+                "without prefetch leave it 0 (one buffer)");
     m.max_length = m.o.max_length() == 0 ? c.context : m.o.max_length();
     TORCH_CHECK(m.max_length >= 1 && m.max_length <= c.context, "StreamedGPT: max_length ", m.o.max_length(),
                 " must lie in [1, ", c.context, "] (the context length; 0 means the context length)");
@@ -334,7 +333,7 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
                  (m.o.max_memory() == 0 || p.baseline_bytes + p.weight_bytes + p.kv_bytes + p.work_bytes +
                                                    p.margin_bytes <= m.o.max_memory());
     if (!p.resident) {
-      p.buffers = m.o.prefetch() ? std::min<int64_t>(m.o.buffers(), p.units) : 1;
+      p.buffers = m.o.prefetch() ? std::min<int64_t>(m.o.buffers() == 0 ? 2 : m.o.buffers(), p.units) : 1;
       const int64_t one = p.baseline_bytes + p.buffer_bytes + p.kv_bytes + p.work_bytes + p.margin_bytes;
       TORCH_CHECK(m.o.max_memory() == 0 || p.planned_bytes() <= m.o.max_memory(), "StreamedGPT: a budget of ",
                   fmt::format("{:.1f}", m.o.max_memory() / kMiB), " MiB per rank cannot hold the plan: ",

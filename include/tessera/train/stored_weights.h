@@ -53,7 +53,6 @@ class StoredWeights {
     int64_t dst_offset = 0, bytes = 0;
   };
   struct ReadPlan {
-    std::string name;
     at::ScalarType dtype = at::kFloat;
     std::vector<int64_t> length;
     int64_t bytes = 0;
@@ -89,7 +88,6 @@ class StoredWeights {
   // and that were not checked before (throws naming the file and tensor),
   // and with drop_cache drops the pages read.
   void complete(const ReadPlan& plan, const void* dst);
-  int64_t bytes_read() const;
 
  private:
   struct Impl;

@@ -63,8 +63,9 @@ struct StreamedGPTOptions {
   TORCH_ARG(bool, resident_if_fits) = true;
   // Read the next units while one computes (Note [Streamed inference]).
   TORCH_ARG(bool, prefetch) = true;
-  // Buffers when streaming with prefetch (>= 2): buffers - 1 loads ahead.
-  TORCH_ARG(int64_t, buffers) = 2;
+  // Buffers when streaming with prefetch (>= 2; buffers - 1 loads ahead).
+  // 0: 2 with prefetch, 1 without; set without prefetch, it is refused.
+  TORCH_ARG(int64_t, buffers) = 0;
   // The most sequences per forward, and the positions the KV cache holds
   // (0: the model's context); both size the memory plan.
   TORCH_ARG(int64_t, batch) = 1;
