@@ -27,10 +27,16 @@ NamedPlacements LayerFactory::placements(torch::nn::Module& module) const {
   return placements_of(module, [this](const at::Tensor& p) { return replicated_param(p); });
 }
 
-std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx, bool sequence_parallel) {
+std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx, bool sequence_parallel,
+                                                 bool row_keyed_dropout) {
   TORCH_CHECK(ctx != nullptr, "make_layer_factory: the ParallelContext is null");
   const auto& c = ctx->config();
   const bool grid = c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D;
+  TORCH_CHECK(!row_keyed_dropout || (!grid && !sequence_parallel && c.sequence() == 1),
+              "row-keyed dropout (Note [Row-keyed dropout]) runs on tensor mode 1d without sequence parallelism, "
+              "whose block activations hold whole samples; the context has tensor mode ",
+              context::tensor_mode_name(c.tensor_mode()), ", sequence size ", c.sequence(),
+              sequence_parallel ? " and the sequence-parallel variant" : "", "; use tensor mode 1d and sequence size 1");
   TORCH_CHECK(!grid || !sequence_parallel, "the sequence-parallel variant belongs to tensor mode 1d; tensor mode ",
               context::tensor_mode_name(c.tensor_mode()), " already splits every activation over the grid");
   TORCH_CHECK(c.sequence() == 1 || !grid, "sequence size ", c.sequence(), " (mode ",
@@ -63,6 +69,14 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
                                  std::move(experts));
     return make_sequence_factory(std::move(inner), ctx->comm(context::ParallelMode::kSequence), c.sequence_mode(),
                                  c.sequence_split());
+  }
+  if (row_keyed_dropout) {
+    // Equal across data ranks (rows key the masks instead); block seeds
+    // equal across tensor ranks too, sharded ones differ between them.
+    const uint64_t stage = ctx->has(context::ParallelMode::kPipeline) ? ctx->rank(context::ParallelMode::kPipeline) : 0;
+    const uint64_t block = splitmix64(c.seed() ^ splitmix64(stage + 1));
+    return make_1d_factory(ctx->comm(context::ParallelMode::kTensor), false, block,
+                           ctx->seed(context::ParallelMode::kTensor), std::move(experts), true);
   }
   return make_1d_factory(ctx->comm(context::ParallelMode::kTensor), sequence_parallel,
                          ctx->seed(context::ParallelMode::kData), ctx->seed(context::ParallelMode::kTensor),

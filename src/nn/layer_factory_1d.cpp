@@ -21,9 +21,10 @@ namespace {
 
 class Factory1D : public LayerFactory {
  public:
-  Factory1D(comm::CommunicatorPtr group, bool sp, uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts)
+  Factory1D(comm::CommunicatorPtr group, bool sp, uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts,
+            bool row_keyed)
       : group_(std::move(group)), sp_(sp), seed_block_(seed_block), seed_sharded_(seed_sharded),
-        experts_(std::move(experts)) {
+        experts_(std::move(experts)), row_keyed_(row_keyed) {
     TORCH_CHECK(group_ != nullptr, "the 1D layer factory needs a tensor-parallel communicator");
   }
 
@@ -78,7 +79,7 @@ class Factory1D : public LayerFactory {
     // numbered in construction order (the same on every rank).
     const bool replicated = site == DropoutSite::kBlock && !sp_;
     const uint64_t seed = splitmix64((replicated ? seed_block_ : seed_sharded_) + (++dropouts_));
-    return torch::nn::AnyModule(ParallelDropout(ParallelDropoutOptions(p, seed)));
+    return torch::nn::AnyModule(ParallelDropout(ParallelDropoutOptions(p, seed).row_keyed(row_keyed_)));
   }
 
   torch::nn::AnyModule moe(const MoEOptions& options, std::shared_ptr<MoELossScale> loss_scale) override {
@@ -118,14 +119,16 @@ class Factory1D : public LayerFactory {
   uint64_t seed_sharded_;
   uint64_t dropouts_ = 0;
   MoEGroups experts_;
+  bool row_keyed_;
 };
 
 }  // namespace
 
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
-                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts) {
+                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts,
+                                              bool row_keyed_dropout) {
   return std::make_shared<Factory1D>(std::move(tensor_group), sequence_parallel, seed_block, seed_sharded,
-                                     std::move(experts));
+                                     std::move(experts), row_keyed_dropout);
 }
 
 }  // namespace nn

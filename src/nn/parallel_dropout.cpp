@@ -1,9 +1,12 @@
 #include "tessera/nn/parallel_dropout.h"
 
+#include "tessera/core/hash.h"
+
 #include <ATen/ATen.h>
 
 #include <limits>
 #include <mutex>
+#include <set>
 
 namespace tessera {
 namespace nn {
@@ -13,7 +16,10 @@ ParallelDropoutImpl::ParallelDropoutImpl(const ParallelDropoutOptions& options_)
   reset();
 }
 
-void ParallelDropoutImpl::reset() { generators_.clear(); }
+void ParallelDropoutImpl::reset() {
+  generators_.clear();
+  row_generators_.clear();
+}
 
 at::Generator& ParallelDropoutImpl::generator_for(const c10::Device& device) {
   const std::string key = device.str();
@@ -35,7 +41,26 @@ at::Tensor ParallelDropoutImpl::forward(const at::Tensor& input) {
   if (!is_training() || options.p() == 0.0) return input;
   const double keep = 1.0 - options.p();
   at::Tensor mask = at::empty_like(input, input.options().requires_grad(false));
-  mask.bernoulli_(keep, generator_for(input.device()));
+  if (!options.row_keyed()) {
+    mask.bernoulli_(keep, generator_for(input.device()));
+    return input * mask.div_(keep);
+  }
+  // Note [Row-keyed dropout]
+  const uint64_t call = draw_seed();
+  auto it = row_generators_.find(input.device().str());
+  if (it == row_generators_.end())
+    it = row_generators_.emplace(input.device().str(), at::globalContext().defaultGenerator(input.device()).clone())
+             .first;
+  at::Generator& gen = it->second;
+  const int64_t rows = input.dim() == 0 ? 1 : input.size(0);
+  at::Tensor by_row = input.dim() == 0 ? mask.view({1}) : mask;
+  for (int64_t r = 0; r < rows; ++r) {
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_current_seed(splitmix64(call ^ splitmix64(static_cast<uint64_t>(first_row_ + r))));
+    }
+    by_row.select(0, r).bernoulli_(keep, gen);
+  }
   return input * mask.div_(keep);
 }
 
@@ -65,7 +90,17 @@ ParallelDropoutImpl::RngState ParallelDropoutImpl::rng_state() const { return cl
 void ParallelDropoutImpl::set_rng_state(const RngState& state) { generators_ = clone_streams(state); }
 
 void ParallelDropoutImpl::pretty_print(std::ostream& stream) const {
-  stream << "tessera::nn::ParallelDropout(p=" << options.p() << ", seed=" << options.seed() << ")";
+  stream << "tessera::nn::ParallelDropout(p=" << options.p() << ", seed=" << options.seed()
+         << (options.row_keyed() ? ", row_keyed" : "") << ")";
+}
+
+std::vector<ParallelDropoutImpl*> dropout_layers(torch::nn::Module& module) {
+  std::vector<ParallelDropoutImpl*> out;
+  std::set<const void*> seen;
+  for (const auto& m : module.modules())
+    if (auto* d = dynamic_cast<ParallelDropoutImpl*>(m.get()); d != nullptr && seen.insert(d).second)
+      out.push_back(d);
+  return out;
 }
 
 }  // namespace nn

@@ -244,6 +244,11 @@ at::Tensor CheckpointReader::full(const std::string& name) const {
   return region(name, std::vector<int64_t>(shape.size(), 0), shape);
 }
 
+at::Tensor CheckpointReader::flat(const std::string& name, const std::vector<int64_t>& offset,
+                                  const std::vector<int64_t>& length, int64_t begin, int64_t end) const {
+  return region(name, offset, length).reshape({-1}).narrow(0, begin, end - begin);
+}
+
 at::Tensor CheckpointReader::region(const std::string& name, const std::vector<int64_t>& offset,
                                     const std::vector<int64_t>& length) const {
   auto it = tensors_.find(name);

@@ -2,6 +2,7 @@
 
 #include "tessera/core/logging.h"
 #include "tessera/models/gpt.h"
+#include "tessera/nn/parallel_dropout.h"
 #include "tessera/optim/lamb.h"
 #include "tessera/optim/lars.h"
 
@@ -115,6 +116,12 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
     if (sharded_->degrees().params > 1) pipe_->set_sharded(sharded_);
   }
   gather_by_unit_ = !shares_parameters(model_.layers);
+  for (auto* d : nn::dropout_layers(*local_))
+    if (d->options.row_keyed()) row_dropouts_.push_back(d);
+  TORCH_CHECK(!pipe_ || row_dropouts_.empty(),
+              "Trainer: row-keyed dropout (Note [Row-keyed dropout]) needs each micro-batch's place in the global "
+              "batch, which the pipeline executor does not give its stages yet; build the model without "
+              "row-keyed dropout, or without pipeline stages");
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::set<const c10::TensorImpl*> seen;
@@ -153,6 +160,9 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   for (int64_t i = 0; i < m; ++i) {
     sharded_->set_gradient_sync(i == m - 1);
     const at::Tensor x = rows(inputs, i * (n / m), n / m), y = rows(targets, i * (n / m), n / m);
+    // Rows are numbered in the global batch: data rank d holds rows [d n, (d + 1) n).
+    const int64_t first_row = ctx_->rank(context::ParallelMode::kData) * n + i * (n / m);
+    for (auto* d : row_dropouts_) d->set_first_row(first_row);
     at::Tensor out = gather_by_unit_ ? sharded_->forward(x) : sharded_->run([&] { return model_.layers->forward(x); });
     at::Tensor loss = model_.loss(out, y) / static_cast<double>(m);
     total += loss.item<double>();
@@ -228,13 +238,21 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
   return loss.item<double>();
 }
 
-void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
-  optimizer_->fetch_offloaded();  // Note [Disk offload]: the pieces in memory while they are written
+std::vector<TensorPiece> Trainer::state_pieces() {
+  optimizer_->fetch_offloaded();  // Note [Disk offload]: the caller parks them again
   std::vector<TensorPiece> pieces = optimizer_pieces(*optimizer_, placements_);
   for (auto& b : buffer_pieces(*local_, ctx_->comm(context::ParallelMode::kData)->rank() == 0))
     pieces.push_back(std::move(b));
-  // This rank's random streams (Note [Random states in checkpoints]).
-  for (auto& r : random_state_pieces(*local_, ctx_->global_rank())) pieces.push_back(std::move(r));
+  return pieces;
+}
+
+std::vector<PieceRequest> Trainer::state_requests(const std::vector<std::string>& optim_names) {
+  std::vector<PieceRequest> out = optimizer_requests(*optimizer_, placements_, optim_names);
+  for (auto& b : buffer_requests(*local_)) out.push_back(std::move(b));
+  return out;
+}
+
+std::string Trainer::state_metadata() const {
   Json meta;
   meta["step"] = step_;
   meta["world_size"] = ctx_->world()->size();
@@ -248,6 +266,30 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
                            {"hysteresis_left", s.hysteresis_left},
                            {"skipped", s.skipped}};
   }
+  return meta.dump();
+}
+
+void Trainer::load_state(const PieceSource& source, const std::string& metadata_json) {
+  const Json meta = Json::parse(metadata_json);
+  const std::string kind = optimizer_kind(optimizer_->inner());
+  TORCH_CHECK(meta.value("optimizer", kind) == kind, source.describe(), " holds the states of optimizer '",
+              meta.value("optimizer", ""), "', this trainer's optimizer is '", kind,
+              "': their states do not carry over; resume with the same optimizer");
+  load_optimizer_pieces(source, *optimizer_, placements_);
+  load_buffer_pieces(source, *local_);
+  step_ = meta.at("step").get<int64_t>();
+  if (scaler_ && meta.contains("loss_scaler")) {
+    const auto& s = meta["loss_scaler"];
+    scaler_->load_state({s["scale"].get<double>(), s["clean_steps"].get<int64_t>(), s["hysteresis_left"].get<int64_t>(),
+                         s["skipped"].get<int64_t>()});
+  }
+}
+
+void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
+  std::vector<TensorPiece> pieces = state_pieces();
+  // This rank's random streams (Note [Random states in checkpoints]).
+  for (auto& r : random_state_pieces(*local_, ctx_->global_rank())) pieces.push_back(std::move(r));
+  Json meta = Json::parse(state_metadata());
   meta["extra"] = Json::parse(extra_json.empty() ? "{}" : extra_json);
   save_checkpoint(dir, pieces, meta.dump(), ctx_->world(), options);
   pieces.clear();
@@ -257,19 +299,8 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
 std::string Trainer::load(const std::string& dir) {
   // Every rank opens it, so an error (a missing or partial checkpoint) is raised on every rank.
   CheckpointReader reader(dir);
+  load_state(reader, reader.metadata());
   const Json meta = Json::parse(reader.metadata());
-  const std::string kind = optimizer_kind(optimizer_->inner());
-  TORCH_CHECK(meta.value("optimizer", kind) == kind, "checkpoint ", dir, " holds the states of optimizer '",
-              meta.value("optimizer", ""), "', this trainer's optimizer is '", kind,
-              "': their states do not carry over; resume with the same optimizer");
-  load_optimizer_pieces(reader, *optimizer_, placements_);
-  load_buffer_pieces(reader, *local_);
-  step_ = meta.at("step").get<int64_t>();
-  if (scaler_ && meta.contains("loss_scaler")) {
-    const auto& s = meta["loss_scaler"];
-    scaler_->load_state({s["scale"].get<double>(), s["clean_steps"].get<int64_t>(), s["hysteresis_left"].get<int64_t>(),
-                         s["skipped"].get<int64_t>()});
-  }
   // Random streams belong to a rank's place in the same configuration.
   if (reader.world_size() == ctx_->world()->size() &&
       meta.value("parallel", "") == context::to_string(ctx_->config())) {

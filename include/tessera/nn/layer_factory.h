@@ -110,8 +110,11 @@ class LayerFactory {
 // (sequence size > 1, on 1D) and experts (1D, with or without sequence
 // parallelism). Sequence parallelism or an expert group on another tensor
 // mode is refused on every rank with what to use instead.
+// `row_keyed_dropout`: every dropout row-keyed, seeded equal across data
+// ranks (Note [Row-keyed dropout]), for jobs that change their data size;
+// tensor mode 1d without sequence parallelism only.
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
-                                                 bool sequence_parallel = false);
+                                                 bool sequence_parallel = false, bool row_keyed_dropout = false);
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects
 // its sequence-parallel variant. `seed_block` / `seed_sharded` seed dropout
@@ -119,7 +122,8 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
 // layers work over `experts` (experts replicated over the tensor group; not
 // in the sequence-parallel variant).
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
-                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts = {});
+                                              uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts = {},
+                                              bool row_keyed_dropout = false);
 
 // Sequence parallelism over `sequence_group` on top of a 1D factory (mode
 // "1d"): block layout [b, S/P, h] holding the positions of

@@ -11,6 +11,18 @@
 // group and differs between data replicas and pipeline stages (replicated
 // activations); ctx->seed(ParallelMode::kTensor) differs between tensor ranks
 // (sharded activations). See Note [Seeds per mode] in context/rank_grid.h.
+//
+// Note [Row-keyed dropout]
+// With row_keyed, the mask of row r (dimension 0, a sample) is drawn from a
+// generator seeded with (a 64-bit draw of the layer's stream, first_row + r),
+// where the trainer sets first_row to the row's place in the global batch.
+// A sample then gets the same mask whichever data rank holds it and however
+// many ranks share the batch, so a job that changes its data-parallel size
+// (train/elastic.h) trains as a fixed layout does. The layer's seed must
+// then be equal across data ranks (make_layer_factory's row_keyed_dropout
+// chooses such seeds). The stream advances once per call, so the masks match
+// between layouts with the same number of micro-batches per step. It costs a
+// reseed per row (a small CPU cost; one kernel per row on CUDA).
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -21,6 +33,7 @@
 #include <map>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace tessera {
 namespace nn {
@@ -29,6 +42,8 @@ struct ParallelDropoutOptions {
   ParallelDropoutOptions(double p, uint64_t seed) : p_(p), seed_(seed) {}
   TORCH_ARG(double, p);
   TORCH_ARG(uint64_t, seed);
+  // Note [Row-keyed dropout].
+  TORCH_ARG(bool, row_keyed) = false;
 };
 
 class ParallelDropoutImpl : public torch::nn::Cloneable<ParallelDropoutImpl> {
@@ -51,6 +66,10 @@ class ParallelDropoutImpl : public torch::nn::Cloneable<ParallelDropoutImpl> {
   // stream advances as a mask would advance it, and checkpointing replays it.
   uint64_t draw_seed();
 
+  // Row-keyed layers: the global batch position of the next inputs' row 0.
+  void set_first_row(int64_t row) { first_row_ = row; }
+  int64_t first_row() const { return first_row_; }
+
   using RngState = std::map<std::string, at::Generator>;
   RngState rng_state() const;
   void set_rng_state(const RngState& state);
@@ -60,9 +79,14 @@ class ParallelDropoutImpl : public torch::nn::Cloneable<ParallelDropoutImpl> {
  private:
   at::Generator& generator_for(const c10::Device& device);
   std::map<std::string, at::Generator> generators_;  // one stream per device
+  std::map<std::string, at::Generator> row_generators_;  // reseeded per row: no state
+  int64_t first_row_ = 0;
 };
 
 TORCH_MODULE(ParallelDropout);
+
+// The ParallelDropout layers of a module, each once, in module order.
+std::vector<ParallelDropoutImpl*> dropout_layers(torch::nn::Module& module);
 
 }  // namespace nn
 }  // namespace tessera

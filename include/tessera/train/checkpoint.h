@@ -31,6 +31,7 @@
 // was given. The next save into DIR renames DIR.old back first, so the
 // previous checkpoint is not lost if that save is killed too.
 #include "tessera/comm/communicator.h"
+#include "tessera/train/piece_source.h"
 #include "tessera/train/safetensors.h"
 
 #include <ATen/core/Tensor.h>
@@ -73,7 +74,7 @@ struct CheckpointOptions {
 void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pieces, const std::string& metadata_json,
                      const comm::CommunicatorPtr& world, const CheckpointOptions& options = {});
 
-class CheckpointReader {
+class CheckpointReader : public PieceSource {
  public:
   // Checks the index and the files' sizes; throws naming what is missing.
   explicit CheckpointReader(std::string dir);
@@ -81,11 +82,15 @@ class CheckpointReader {
   const std::string& dir() const { return dir_; }
   const std::string& metadata() const { return metadata_; }  // JSON text
   int world_size() const { return world_size_; }
-  std::vector<std::string> names(const std::string& prefix = "") const;
-  bool contains(const std::string& name) const { return tensors_.count(name) > 0; }
-  std::vector<int64_t> full_shape(const std::string& name) const;
+  std::string describe() const override { return "checkpoint " + dir_; }
+  std::vector<std::string> names(const std::string& prefix = "") const override;
+  bool contains(const std::string& name) const override { return tensors_.count(name) > 0; }
+  std::vector<int64_t> full_shape(const std::string& name) const override;
   // The full tensor, assembled from its pieces (CPU).
-  at::Tensor full(const std::string& name) const;
+  at::Tensor full(const std::string& name) const override;
+  // region(name, offset, length), flattened and narrowed to [begin, end).
+  at::Tensor flat(const std::string& name, const std::vector<int64_t>& offset, const std::vector<int64_t>& length,
+                  int64_t begin, int64_t end) const override;
   // The box [offset, offset + length) of the full tensor, read from the
   // pieces that overlap it only: memory of the box plus one piece's rows.
   at::Tensor region(const std::string& name, const std::vector<int64_t>& offset,

@@ -30,6 +30,9 @@ namespace tessera {
 namespace models {
 class GPTImpl;
 }
+namespace nn {
+class ParallelDropoutImpl;
+}
 namespace train {
 
 // What the trainer needs to know of a model.
@@ -111,6 +114,22 @@ class Trainer {
   // JSON. Collective.
   std::string load(const std::string& dir);
 
+  // The state as pieces (Note [Checkpoint layout]) without random streams,
+  // for checkpoints and live resharding (train/elastic.h). Under disk
+  // offload the states are fetched into memory; optimizer().park_offloaded()
+  // sends them back.
+  std::vector<TensorPiece> state_pieces();
+  // Step, layout, optimizer kind and loss-scaler state (JSON text).
+  std::string state_metadata() const;
+  // What load_state will read, given the names the source holds.
+  std::vector<PieceRequest> state_requests(const std::vector<std::string>& optim_names);
+  // Loads model, optimizer, buffers, step and loss scaler from pieces of
+  // any layout of the same model and the metadata state_metadata() wrote.
+  void load_state(const PieceSource& source, const std::string& metadata_json);
+  // The layers this rank trains (its pipeline stages' when pipelined).
+  torch::nn::Module& local_module() { return *local_; }
+  const Placements& placements() const { return placements_; }
+
   int64_t step() const { return step_; }
   parallel::ShardedModule& module() { return *sharded_; }
   parallel::ShardedOptimizer& optimizer() { return *optimizer_; }
@@ -138,6 +157,8 @@ class Trainer {
   // Without a pipeline: gather one layer at a time, unless layers share a
   // parameter (tied weights), which must stay gathered for the whole forward.
   bool gather_by_unit_ = true;
+  // Row-keyed dropout layers: told each micro-batch's first global row.
+  std::vector<nn::ParallelDropoutImpl*> row_dropouts_;
   int64_t step_ = 0;
 };
 
