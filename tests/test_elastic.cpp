@@ -13,6 +13,7 @@
 #include "tessera/models/gpt.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/nn/parallel_dropout.h"
+#include "tessera/train/batch_schedule.h"
 #include "tessera/train/elastic.h"
 #include "tessera/train/piece_exchange.h"
 
@@ -323,6 +324,32 @@ TEST(Elastic, DataSizeFromTheBatch) {
   EXPECT_EQ(train::data_size_for(12, 8, 4, 2), 3);  // 4 rows per replica, even
   EXPECT_EQ(train::data_size_for(64, 8, 128), 1);
   EXPECT_TRUE(test::throws_with([] { train::data_size_for(0, 8, 1); }, "must all be >= 1"));
+  // With expert parallelism the data size is a multiple of the expert size.
+  EXPECT_EQ(train::data_size_for(24, 7, 1, 1, 2), 6);
+  EXPECT_EQ(train::data_size_for(512, 7, 128, 1, 2), 4);
+  EXPECT_EQ(train::data_size_for(64, 8, 128, 1, 2), 2);
+  EXPECT_TRUE(test::throws_with([] { train::data_size_for(7, 8, 1, 1, 2); }, "does not split into 2 replicas"));
+  EXPECT_TRUE(test::throws_with([] { train::data_size_for(8, 2, 1, 1, 4); }, "at most 2 fits"));
+  EXPECT_TRUE(test::throws_with([] { train::data_size_for(9, 8, 1, 2); }, "accumulation"));
+}
+
+TEST(Elastic, BatchSchedule) {
+  const auto s = train::BatchSchedule::parse("0:512,10:1024,30:8192");
+  EXPECT_EQ(s.at(0), 512);
+  EXPECT_EQ(s.at(9), 512);
+  EXPECT_EQ(s.at(10), 1024);
+  EXPECT_EQ(s.at(29), 1024);
+  EXPECT_EQ(s.at(1000), 8192);
+  EXPECT_EQ(s.largest(), 8192);
+  EXPECT_EQ(s.to_string(), "0:512,10:1024,30:8192");
+  EXPECT_EQ(train::BatchSchedule::constant(16).at(5), 16);
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("5:512"); }, "the first key must be 0"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("0:8,10:16,10:32"); }, "keys must increase"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("0:8,x:16"); }, "'x:16' is not KEY:BATCH"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("0:8;10:16"); }, "'0:8;10:16' is not KEY:BATCH"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("0:0"); }, "must be >= 1"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse("0"); }, "has no ':'"));
+  EXPECT_TRUE(test::throws_with([] { train::BatchSchedule::parse(""); }, "is empty"));
 }
 
 TEST(Elastic, BadInputIsRefusedOnEveryRank) {
@@ -341,6 +368,12 @@ TEST(Elastic, BadInputIsRefusedOnEveryRank) {
     if (!et.active()) EXPECT_TRUE(test::throws_with([&] { et.trainer(); }, "is idle in layout"));
     // Ranks that ask for different layouts all throw instead of hanging.
     EXPECT_TRUE(test::throws_with([&] { et.reshape(dp(world->rank() == 0 ? 2 : 1)); }, "did not all call"));
+    // A trainer the first layout cannot build stops the idle ranks as well.
+    const auto bad = train::ElasticOptions().trainer(train::TrainerOptions().lr(
+        train::LrSchedule().peak(1e-3).warmup_steps(10).total_steps(5).decay(train::LrDecay::kCosine)));
+    EXPECT_TRUE(test::throws_with(
+        [&] { train::ElasticTrainer broken(world, builder(0.0, false), adamw, dp(1), bad); },
+        world->rank() == 0 ? "must exceed warmup_steps" : "building layout"));
   }
   // Row-keyed dropout needs whole samples on a rank.
   if (n >= 4) {

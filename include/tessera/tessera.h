@@ -35,6 +35,7 @@
 #include "tessera/parallel/unit_host.h"
 #include "tessera/parallel/whole_norms.h"
 #include "tessera/train/atomic_file.h"
+#include "tessera/train/batch_schedule.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/elastic.h"
 #include "tessera/train/generation.h"

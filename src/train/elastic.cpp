@@ -105,16 +105,23 @@ std::string MigrationStats::to_json() const {
   return j.dump();
 }
 
-int data_size_for(int64_t global_batch, int max_data, int64_t min_rows, int64_t accumulation) {
-  TORCH_CHECK(global_batch >= 1 && max_data >= 1 && min_rows >= 1 && accumulation >= 1,
+int data_size_for(int64_t global_batch, int max_data, int64_t min_rows, int64_t accumulation, int data_multiple) {
+  TORCH_CHECK(global_batch >= 1 && max_data >= 1 && min_rows >= 1 && accumulation >= 1 && data_multiple >= 1,
               "data_size_for: the batch (", global_batch, "), the largest data size (", max_data,
-              "), the rows per replica (", min_rows, ") and accumulation (", accumulation, ") must all be >= 1");
-  for (int d = max_data; d > 1; --d) {
-    if (global_batch % d != 0) continue;
+              "), the rows per replica (", min_rows, "), accumulation (", accumulation, ") and the multiple (",
+              data_multiple, ") must all be >= 1");
+  TORCH_CHECK(data_multiple <= max_data, "data_size_for: the data size must be a multiple of ", data_multiple,
+              " (the expert-parallel size), but at most ", max_data, " fits in the world");
+  auto fits = [&](int d) {
     const int64_t rows = global_batch / d;
-    if (rows >= min_rows && rows % accumulation == 0) return d;
-  }
-  return 1;
+    return global_batch % d == 0 && rows % accumulation == 0;
+  };
+  for (int d = max_data - max_data % data_multiple; d > data_multiple; d -= data_multiple)
+    if (fits(d) && global_batch / d >= min_rows) return d;
+  TORCH_CHECK(fits(data_multiple), "data_size_for: a global batch of ", global_batch, " rows does not split into ",
+              data_multiple, " replicas with a multiple of ", accumulation,
+              " rows each (the accumulation steps); choose a batch that does");
+  return data_multiple;
 }
 
 ElasticTrainer::ElasticTrainer(comm::CommunicatorPtr world, ModelBuilder build, OptimizerFactory make_optimizer,
@@ -131,10 +138,12 @@ ElasticTrainer::ElasticTrainer(comm::CommunicatorPtr world, ModelBuilder build, 
               options_.idle_poll().count(), " ms");
   layout_ = checked_layout(layout, world_->size());
   auto group = world_->split(world_->rank() < layout_size(layout_) ? 0 : -1, world_->rank(), "world");
-  if (group) {
+  // A builder or trainer option that fails stops the idle ranks too.
+  comm::on_every_rank(world_, "building layout " + context::to_string(layout_), [&] {
+    if (!group) return;
     auto ctx = context::ParallelContext::create(group, layout_);
     trainer_ = std::make_unique<Trainer>(ctx, build_(ctx), make_optimizer_, options_for(layout_));
-  }
+  });
 }
 
 ElasticTrainer::~ElasticTrainer() = default;
@@ -172,16 +181,17 @@ std::string ElasticTrainer::layout_name() const {
   return out.str();
 }
 
-void ElasticTrainer::release_idle(int64_t kind, uint64_t hash) {
-  at::Tensor msg = at::tensor({kind, static_cast<int64_t>(hash)}, at::kLong);
+void ElasticTrainer::release_idle() {
+  // Only its arrival counts: agree() checks what every rank was called for.
+  at::Tensor msg = at::zeros({1}, at::kLong);
   auto control = world_->control();
   for (int r = active_size(); r < world_->size(); ++r) control->send(msg, r);
 }
 
-void ElasticTrainer::wait_for_leader(int64_t /*kind*/, uint64_t /*hash*/) {
+void ElasticTrainer::wait_for_leader() {
   // Note [Live resharding] 1: polled, so the wait takes no core and no timeout.
   const double wall = now_seconds(), cpu = cpu_seconds();
-  at::Tensor msg = at::empty({2}, at::kLong);
+  at::Tensor msg = at::empty({1}, at::kLong);
   comm::RecvOptions async;
   async.async = true;
   auto work = world_->control()->recv(msg, 0, async);
@@ -211,9 +221,9 @@ MigrationStats ElasticTrainer::reshape(const context::ParallelConfig& layout) {
   const std::string name = context::to_string(next);
   const uint64_t hash = hash_bytes(name.data(), name.size());
   if (!active()) {
-    wait_for_leader(kReshape, hash);
+    wait_for_leader();
   } else if (world_->rank() == 0) {
-    release_idle(kReshape, hash);
+    release_idle();
   }
   agree(*world_, kReshape, hash, "reshape(" + context::to_string(next) + ")");
   const double after_wait = now_seconds();
@@ -304,7 +314,7 @@ MigrationStats ElasticTrainer::reshape(const context::ParallelConfig& layout) {
 bool ElasticTrainer::adapt(int64_t global_batch) {
   const int per_replica = layout_.pipeline() * layout_.tensor() * layout_.sequence();
   const int d = data_size_for(global_batch, world_->size() / per_replica, options_.min_rows_per_replica(),
-                              options_.trainer().accumulation());
+                              options_.trainer().accumulation(), layout_.expert());
   if (d == layout_.data()) return false;
   context::ParallelConfig next = layout_;
   next.data(d);
@@ -315,9 +325,9 @@ bool ElasticTrainer::adapt(int64_t global_batch) {
 void ElasticTrainer::finish() {
   if (finished_) return;
   if (!active()) {
-    wait_for_leader(kFinish, 0);
+    wait_for_leader();
   } else if (world_->rank() == 0) {
-    release_idle(kFinish, 0);
+    release_idle();
   }
   agree(*world_, kFinish, 0, "finish()");
   finished_ = true;

@@ -89,8 +89,11 @@ struct MigrationStats {
 // Note [Data size from the batch]
 // The data size a global batch uses: the largest d <= max_data that divides
 // the batch into rows per replica that are at least min_rows and a multiple
-// of `accumulation`; 1 when none does.
-int data_size_for(int64_t global_batch, int max_data, int64_t min_rows, int64_t accumulation = 1);
+// of `accumulation`, and is a multiple of `data_multiple` (the expert size:
+// expert groups are carved out of the data dimension); the smallest such
+// size when none has min_rows.
+int data_size_for(int64_t global_batch, int max_data, int64_t min_rows, int64_t accumulation = 1,
+                  int data_multiple = 1);
 
 class ElasticTrainer {
  public:
@@ -130,8 +133,8 @@ class ElasticTrainer {
 
  private:
   TrainerOptions options_for(const context::ParallelConfig& layout) const;
-  void wait_for_leader(int64_t kind, uint64_t hash);
-  void release_idle(int64_t kind, uint64_t hash);
+  void wait_for_leader();
+  void release_idle();
 
   comm::CommunicatorPtr world_;
   ModelBuilder build_;
