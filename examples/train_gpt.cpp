@@ -12,6 +12,10 @@
 // as one safetensors file, and the run ends with text sampled from the model.
 // --offload optimizer keeps optimizer states in CPU memory, --offload
 // optimizer:disk --offload-dir DIR on a local disk (docs/offload.md).
+// --batch-schedule 0:8,50:16,100:32 [--min-rows-per-replica 4] trains
+// elastically: the global batch changes at those steps and the data size
+// follows it, the trainer moving its state between layouts over the network
+// while the ranks it does not use sleep (docs/elastic.md).
 #include <tessera/models/gpt.h>
 #include <tessera/nn/layer_factory.h>
 #include <tessera/tessera.h>
@@ -91,6 +95,8 @@ Json defaults() {
           {"sample", 200},
           {"eval_every", 25},
           {"log_every", 1},
+          {"batch_schedule", ""},
+          {"min_rows_per_replica", 1},
           {"seed", 1}};
 }
 
@@ -289,13 +295,30 @@ int train(int argc, char** argv) {
     TORCH_CHECK((offload == "optimizer:disk") == !offload_dir.empty(),
                 offload == "optimizer:disk" ? "--offload optimizer:disk needs --offload-dir DIR (a local disk)"
                                             : "--offload-dir is only read with --offload optimizer:disk");
-    for (const char* k : {"steps", "batch", "seq", "layers", "heads", "hidden", "accumulation", "log_every"})
+    for (const char* k : {"steps", "batch", "seq", "layers", "heads", "hidden", "accumulation", "log_every",
+                          "min_rows_per_replica"})
       TORCH_CHECK(a[k].get<int64_t>() >= 1, "--", k, " must be >= 1, got ", a[k].get<int64_t>());
+    // Elastic training (docs/elastic.md): the schedule sets the batch, the batch the data size.
+    const bool elastic = !a["batch_schedule"].get<std::string>().empty();
+    if (elastic) {
+      TORCH_CHECK(a["dp"].get<int64_t>() == 0, "--dp ", a["dp"].get<int64_t>(),
+                  " with --batch-schedule: the schedule chooses the data size (the largest that gives every replica "
+                  "--min-rows-per-replica rows); leave --dp out");
+      TORCH_CHECK(a["batch"] == defaults()["batch"], "--batch ", a["batch"].get<int64_t>(),
+                  " with --batch-schedule: the schedule sets the batch of every step; give one of the two");
+    } else {
+      TORCH_CHECK(a["min_rows_per_replica"].get<int64_t>() == 1,
+                  "--min-rows-per-replica is only read with --batch-schedule");
+    }
+    const auto schedule = elastic ? tessera::train::BatchSchedule::parse(a["batch_schedule"])
+                                  : tessera::train::BatchSchedule::constant(a["batch"]);
 
     auto trace = std::make_shared<tessera::comm::CommTrace>();
     auto world = std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
-    auto ctx = tessera::context::ParallelContext::create(world, parallel_config(a));
-    const int pp = ctx->size(ParallelMode::kPipeline);
+    tessera::context::ParallelConfig layout = parallel_config(a);
+    // A fixed layout has one context; an elastic one, one per layout it goes through.
+    auto ctx = elastic ? nullptr : tessera::context::ParallelContext::create(world, layout);
+    const int pp = layout.pipeline();
     const int64_t micro = a["microbatches"].get<int64_t>() > 0 ? a["microbatches"].get<int64_t>() : 2 * pp;
     tessera::train::MetricsLog log(rank == 0, a["metrics"].get<std::string>());
 
@@ -328,11 +351,23 @@ int train(int argc, char** argv) {
                 "--drop-policy must be position or probability, got '", policy, "'");
     cfg.drop_policy = policy == "position" ? tessera::nn::MoEDropPolicy::kPosition
                                            : tessera::nn::MoEDropPolicy::kProbability;
-    torch::manual_seed(a["seed"].get<int64_t>());
-    // Refuses, on every rank, the modes whose layers do not exist yet.
-    auto factory = tessera::nn::make_layer_factory(ctx, a["sequence_parallel"]);
-    auto gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
-    if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
+    // The current layout's model; an elastic trainer builds one per layout.
+    // Elastic dropout is keyed by the row of the global batch, so that the
+    // masks do not depend on the data size (Note [Row-keyed dropout]).
+    std::shared_ptr<tessera::models::GPTImpl> gpt;
+    auto build = [&](const tessera::context::ParallelContextPtr& c) {
+      torch::manual_seed(a["seed"].get<int64_t>());
+      // Refuses, on every rank, the modes whose layers do not exist yet.
+      auto factory = tessera::nn::make_layer_factory(c, a["sequence_parallel"], elastic && cfg.dropout > 0);
+      gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
+      if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
+      auto model = tessera::train::gpt_train_model(gpt);
+      if (a["precision"] == "bf16") {
+        auto inner = model.loss;
+        model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+      }
+      return model;
+    };
 
     const double lr = a["lr"], wd = a["weight_decay"];
     auto make_optimizer = [&](const std::vector<std::pair<std::string, at::Tensor>>& named) {
@@ -358,13 +393,7 @@ int train(int argc, char** argv) {
     auto checkpoint_metadata = [&](int64_t step) {
       return fmt::format(R"({{"step": {}, "gpt": {{"heads": {}}}}})", step, cfg.heads);
     };
-    auto model = tessera::train::gpt_train_model(gpt);
-    if (a["precision"] == "bf16") {
-      auto inner = model.loss;
-      model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
-    }
-    tessera::train::Trainer trainer(ctx, model, make_optimizer,
-                                    tessera::train::TrainerOptions()
+    const auto trainer_options = tessera::train::TrainerOptions()
                                         .spec(tessera::parallel::ShardingSpec::parse(a["spec"]))
                                         .pipeline(tessera::parallel::PipelineOptions()
                                                       .schedule(tessera::parallel::parse_schedule_kind(a["schedule"]))
@@ -379,51 +408,108 @@ int train(int argc, char** argv) {
                                                 .warmup_steps(a["warmup"])
                                                 .total_steps(steps)
                                                 .decay(tessera::train::lr_decay_from_string(a["decay"]))
-                                                .min_ratio(a["min_lr_ratio"])));
-    if (!a["resume"].get<std::string>().empty()) {
-      trainer.load(a["resume"]);
-      log.print(fmt::format("resumed from {} at step {}", a["resume"].get<std::string>(), trainer.step()));
+                                                .min_ratio(a["min_lr_ratio"]));
+    std::unique_ptr<tessera::train::Trainer> fixed;
+    std::unique_ptr<tessera::train::ElasticTrainer> el;
+    // A resumed elastic run starts in the layout of its step's batch: the
+    // checkpoint's, so that the dropout streams are restored too.
+    const std::string resume = a["resume"];
+    const int64_t resume_step =
+        elastic && !resume.empty()
+            ? Json::parse(tessera::train::CheckpointReader(resume).metadata()).at("step").get<int64_t>()
+            : 0;
+    if (elastic) {
+      layout.data(tessera::train::data_size_for(schedule.at(resume_step),
+                                                world->size() / (pp * layout.tensor() * layout.sequence()),
+                                                a["min_rows_per_replica"], a["accumulation"], layout.expert()));
+      el = std::make_unique<tessera::train::ElasticTrainer>(
+          world, build, make_optimizer, layout,
+          tessera::train::ElasticOptions().trainer(trainer_options).min_rows_per_replica(a["min_rows_per_replica"]));
+    } else {
+      fixed = std::make_unique<tessera::train::Trainer>(ctx, build(ctx), make_optimizer, trainer_options);
+    }
+    // The trainer of the current layout; none on a rank the layout leaves idle.
+    auto current = [&]() -> tessera::train::Trainer* {
+      return el ? (el->active() ? &el->trainer() : nullptr) : fixed.get();
+    };
+    if (!elastic) {
+      const int64_t rows = a["batch"], data = ctx->size(ParallelMode::kData);
+      TORCH_CHECK(rows % data == 0, "--batch ", rows, " must be divisible by the data-parallel size ", data);
+    }
+    int64_t start = resume_step;  // idle ranks know it from the checkpoint's metadata
+    if (!resume.empty()) {
+      if (auto* t = current()) {
+        t->load(resume);
+        start = t->step();
+      }
+      log.print(fmt::format("resumed from {} at step {}", resume, start));
     }
 
-    const int64_t rows = a["batch"];
-    auto data = ctx->comm(ParallelMode::kData);
-    TORCH_CHECK(rows % data->size() == 0, "--batch ", rows, " must be divisible by the data-parallel size ",
-                data->size());
-    const int64_t local_rows = rows / data->size();
-    auto local = [&](const at::Tensor& t) { return t.narrow(0, data->rank() * local_rows, local_rows); };
     const double flops_per_token = tessera::train::gpt_flops_per_token(cfg, seq);
     double parameters = 0;
-    for (const auto& [name, place] : gpt->placements()) {
-      double numel = 1;
-      for (int64_t d : place.full_shape) numel *= static_cast<double>(d);
-      parameters += numel;
-    }
+    if (gpt)
+      for (const auto& [name, place] : gpt->placements()) {
+        double numel = 1;
+        for (int64_t d : place.full_shape) numel *= static_cast<double>(d);
+        parameters += numel;
+      }
     world->barrier();
     const double peak_flops = tessera::train::measured_matmul_flops();
-    log.print(
-        fmt::format("train_gpt: {} | corpus {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, {:.2f} M "
-                    "parameters | spec {} | {} | {} | {} steps of {} x {} tokens",
-                    tessera::context::to_string(ctx->config()), corpus.source, n, corpus.vocab, cfg.layers, cfg.hidden,
-                    cfg.heads, parameters / 1e6, a["spec"].get<std::string>(),
-                    pp > 1 ? fmt::format("schedule {} x {} micro-batches", a["schedule"].get<std::string>(), micro)
-                           : std::string("no pipeline"),
-                    opt_name, steps, rows, seq));
+    log.print(fmt::format(
+        "train_gpt: {} | corpus {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, {:.2f} M "
+        "parameters | spec {} | {} | {} | {} steps of {} x {} tokens",
+        elastic ? fmt::format("elastic over {} ranks, {}, data size from the batch (>= {} rows per replica)",
+                              world->size(), el->layout_name(), a["min_rows_per_replica"].get<int64_t>())
+                : tessera::context::to_string(ctx->config()),
+        corpus.source, n, corpus.vocab, cfg.layers, cfg.hidden, cfg.heads, parameters / 1e6,
+        a["spec"].get<std::string>(),
+        pp > 1 ? fmt::format("schedule {} x {} micro-batches", a["schedule"].get<std::string>(), micro)
+               : std::string("no pipeline"),
+        opt_name, steps, elastic ? "(" + schedule.to_string() + ")" : std::to_string(schedule.at(0)), seq));
 
     const uint64_t seed = a["seed"].get<uint64_t>();
     const int64_t eval_every = a["eval_every"], save_every = a["save_every"];
     const std::string save_dir = a["save"];
     double last_loss = 0;
-    while (trainer.step() < steps) {
-      const int64_t step = trainer.step();
+    for (int64_t step = start; step < steps; ++step) {
+      const int64_t rows = schedule.at(step);
+      const std::string before = el ? el->layout_name() : std::string();
+      if (el && el->adapt(rows)) {
+        const auto& m = el->history().back();
+        log.record("migration", {{"step", static_cast<double>(step)},
+                                 {"data_size", el->data_size()},
+                                 {"bytes_moved", static_cast<double>(m.bytes_moved)},
+                                 {"bytes_kept", static_cast<double>(m.bytes_kept)},
+                                 {"seconds", m.seconds}});
+        log.print(fmt::format("step {:4d}/{} | elastic: batch {}, {} -> {} | moved {}, kept {} in place | {:.2f} s "
+                              "(build {:.2f}, exchange {:.2f})",
+                              step, steps, rows, before, el->layout_name(),
+                              human_bytes(static_cast<double>(m.bytes_moved)),
+                              human_bytes(static_cast<double>(m.bytes_kept)), m.seconds, m.build_seconds,
+                              m.exchange_seconds));
+      }
+      tessera::train::Trainer* trainer = current();
+      if (trainer == nullptr) {  // idle: the next adapt() that moves the layout waits, asleep
+        gpt = nullptr;
+        continue;
+      }
+      TORCH_INTERNAL_ASSERT(trainer->step() == step, "train_gpt: the trainer is at step ", trainer->step(),
+                            ", the loop at ", step);
+      const auto [first, count] =
+          el ? el->rows_of(rows)
+             : std::pair<int64_t, int64_t>(ctx->rank(ParallelMode::kData) * (rows / ctx->size(ParallelMode::kData)),
+                                           rows / ctx->size(ParallelMode::kData));
+      auto local = [first = first, count = count](const at::Tensor& t) { return t.narrow(0, first, count); };
+      const int active = trainer->context()->world()->size();
       auto [x, y] = windows(corpus.tokens, 0, split, rows, seq, seed * 1000003 + static_cast<uint64_t>(step));
       const double bytes_before = static_cast<double>(trace->total().bytes);
-      const auto st = trainer.train_step(local(x), local(y));
+      const auto st = trainer->train_step(local(x), local(y));
       last_loss = st.loss;
       const double tokens = static_cast<double>(rows * seq), tps = tokens / st.seconds;
-      const double mfu = flops_per_token * tps / (peak_flops * world->size());
-      const double state = static_cast<double>(trainer.memory().total());
+      const double mfu = flops_per_token * tps / (peak_flops * active);
+      const double state = static_cast<double>(trainer->memory().total());
       const double comm = static_cast<double>(trace->total().bytes) - bytes_before;
-      const MoEBalance moe = moe_balance(*gpt, *world);
+      const MoEBalance moe = moe_balance(*gpt, *trainer->context()->world());
       log.record("train", {{"step", st.step},
                            {"loss", st.loss},
                            {"lr", st.lr},
@@ -438,9 +524,11 @@ int train(int argc, char** argv) {
                            {"moe_dropped", moe.dropped}});
       if (st.step % a["log_every"].get<int64_t>() == 0 || st.step == steps)
         log.print(
-            fmt::format("step {:4d}/{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | "
+            fmt::format("step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | "
                         "comm {}/step/rank | {:.0f} ms{}{}",
-                        st.step, steps, st.loss, st.lr, tps, 100 * mfu, human_bytes(state), human_bytes(comm),
+                        st.step, steps,
+                        el ? fmt::format(" | {} | batch {}", el->layout_name(), rows) : std::string(), st.loss, st.lr,
+                        tps, 100 * mfu, human_bytes(state), human_bytes(comm),
                         1000 * st.seconds,
                         cfg.experts > 0 ? fmt::format(" | experts max/mean {:.2f}, aux {:.4f}, dropped {:.0f}",
                                                       moe.max_over_mean, moe.aux_loss, moe.dropped)
@@ -448,17 +536,18 @@ int train(int argc, char** argv) {
                         st.skipped ? " | skipped (overflow)" : ""));
       if (eval_every > 0 && (st.step % eval_every == 0 || st.step == steps)) {
         auto [vx, vy] = windows(corpus.tokens, split, n, rows, seq, 7 + static_cast<uint64_t>(st.step));
-        const double val = trainer.evaluate(local(vx), local(vy));
+        const double val = trainer->evaluate(local(vx), local(vy));
         log.record("eval", {{"step", st.step}, {"val_loss", val}});
         log.print(fmt::format("step {:4d}/{} | validation loss {:.4f}", st.step, steps, val));
       }
       if (!save_dir.empty() && save_every > 0 && st.step % save_every == 0)
-        trainer.save(fmt::format("{}/step-{:06d}", save_dir, st.step), checkpoint_metadata(st.step));
+        trainer->save(fmt::format("{}/step-{:06d}", save_dir, st.step), checkpoint_metadata(st.step));
     }
+    if (el) el->finish();
 
     // The final weights, full, through a checkpoint; rank 0 samples from a serial copy.
     const std::string final_dir = (save_dir.empty() ? std::string("train_gpt_out") : save_dir) + "/final";
-    trainer.save(final_dir, checkpoint_metadata(trainer.step()));
+    if (auto* t = current()) t->save(final_dir, checkpoint_metadata(t->step()));
     // Collective: rank 0 alone gets a communicator for its serial copy.
     auto self = a["sample"].get<int64_t>() > 0 ? world->inner()->split(rank == 0 ? 0 : -1, 0, "sample") : nullptr;
     if (rank == 0) {

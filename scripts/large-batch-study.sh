@@ -11,15 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
-scripts/install-deps.sh dataset-fashion-mnist python3-matplotlib
+scripts/prepare-fashion-mnist.sh "$build" python3-matplotlib
 data=$build/fashion-mnist
-mkdir -p "$data"
-for f in /usr/share/datasets/fashion-mnist/*-ubyte.gz; do
-  out=$data/$(basename "$f" .gz)
-  [ -s "$out" ] || gunzip -c "$f" > "$out"
-done
-[ -f "$build/CMakeCache.txt" ] || cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
-cmake --build "$build" -j "${JOBS:-2}" --target train_fashion_mnist
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_mpi_yield_when_idle=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
