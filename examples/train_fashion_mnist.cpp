@@ -33,7 +33,8 @@ namespace {
 
 struct Args {
   std::string data, optimizer = "adamw", spec = "zero2", batch_schedule;
-  int64_t batch = 0, epochs = 15, seed = 1, min_rows_per_replica = 0;
+  int64_t batch = 128, epochs = 15, seed = 1, min_rows_per_replica = 1;
+  bool batch_given = false, min_rows_given = false;
   double lr = 1e-3, warmup_epochs = 0, weight_decay = 0.01;
 };
 
@@ -52,11 +53,11 @@ Args parse(int argc, char** argv) {
       else if (f == "--spec")
         a.spec = v;
       else if (f == "--batch")
-        a.batch = std::stoll(v);
+        a.batch = std::stoll(v), a.batch_given = true;
       else if (f == "--batch-schedule")
         a.batch_schedule = v;
       else if (f == "--min-rows-per-replica")
-        a.min_rows_per_replica = std::stoll(v);
+        a.min_rows_per_replica = std::stoll(v), a.min_rows_given = true;
       else if (f == "--epochs")
         a.epochs = std::stoll(v);
       else if (f == "--seed")
@@ -78,12 +79,10 @@ Args parse(int argc, char** argv) {
               "/train-images-idx3-ubyte; run scripts/large-batch-study.sh, which prepares it");
   TORCH_CHECK(a.optimizer == "adamw" || a.optimizer == "lamb" || a.optimizer == "lars",
               "--optimizer must be adamw, lamb or lars, got '", a.optimizer, "'");
-  TORCH_CHECK(a.batch_schedule.empty() || a.batch == 0,
+  TORCH_CHECK(a.batch_schedule.empty() || !a.batch_given,
               "--batch and --batch-schedule both given; the schedule sets the batch of every epoch");
-  TORCH_CHECK(!a.batch_schedule.empty() || a.min_rows_per_replica == 0,
+  TORCH_CHECK(!a.batch_schedule.empty() || !a.min_rows_given,
               "--min-rows-per-replica is only read with --batch-schedule");
-  if (a.batch == 0) a.batch = 128;
-  if (a.min_rows_per_replica == 0) a.min_rows_per_replica = 1;
   TORCH_CHECK(a.batch >= 1 && a.epochs >= 1 && a.min_rows_per_replica >= 1,
               "--batch, --epochs and --min-rows-per-replica must be >= 1");
   return a;

@@ -103,8 +103,10 @@ Json defaults() {
 // Flags (--name value; --flag alone for booleans), after --config FILE.
 Json parse_args(int argc, char** argv) {
   Json args = defaults();
+  Json given = Json::array();  // the keys the user set, so that a default is not mistaken for a choice
   auto set = [&](const std::string& key, const Json& value) {
     TORCH_CHECK(args.contains(key), "unknown option '", key, "'; see the comment at the top of examples/train_gpt.cpp");
+    given.push_back(key);
     const Json& d = args[key];
     if (d.is_boolean()) {
       TORCH_CHECK(value.is_boolean() || value.is_string(), "option '", key, "' takes true or false");
@@ -142,12 +144,19 @@ Json parse_args(int argc, char** argv) {
     TORCH_CHECK(args.contains(key), "unknown flag ", flag, "; see the comment at the top of examples/train_gpt.cpp");
     if (args[key].is_boolean() && (i + 1 == argc || std::string(argv[i + 1]).rfind("--", 0) == 0)) {
       args[key] = true;
+      given.push_back(key);
       continue;
     }
     TORCH_CHECK(i + 1 < argc, "flag ", flag, " needs a value");
     set(key, Json(std::string(argv[++i])));
   }
+  args["given"] = given;
   return args;
+}
+
+bool was_given(const Json& args, const std::string& key) {
+  const auto& g = args["given"];
+  return std::find(g.begin(), g.end(), Json(key)) != g.end();
 }
 
 // The grid's dimensions go through the library's one flag parser
@@ -301,14 +310,13 @@ int train(int argc, char** argv) {
     // Elastic training (docs/elastic.md): the schedule sets the batch, the batch the data size.
     const bool elastic = !a["batch_schedule"].get<std::string>().empty();
     if (elastic) {
-      TORCH_CHECK(a["dp"].get<int64_t>() == 0, "--dp ", a["dp"].get<int64_t>(),
+      TORCH_CHECK(!was_given(a, "dp"), "--dp ", a["dp"].get<int64_t>(),
                   " with --batch-schedule: the schedule chooses the data size (the largest that gives every replica "
                   "--min-rows-per-replica rows); leave --dp out");
-      TORCH_CHECK(a["batch"] == defaults()["batch"], "--batch ", a["batch"].get<int64_t>(),
+      TORCH_CHECK(!was_given(a, "batch"), "--batch ", a["batch"].get<int64_t>(),
                   " with --batch-schedule: the schedule sets the batch of every step; give one of the two");
     } else {
-      TORCH_CHECK(a["min_rows_per_replica"].get<int64_t>() == 1,
-                  "--min-rows-per-replica is only read with --batch-schedule");
+      TORCH_CHECK(!was_given(a, "min_rows_per_replica"), "--min-rows-per-replica is only read with --batch-schedule");
     }
     const auto schedule = elastic ? tessera::train::BatchSchedule::parse(a["batch_schedule"])
                                   : tessera::train::BatchSchedule::constant(a["batch"]);
