@@ -1,0 +1,237 @@
+#include "tessera/planner/estimate.h"
+
+#include "tessera/parallel/pipeline_simulator.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace tessera {
+namespace planner {
+namespace {
+
+using context::TensorMode;
+
+// Forward FLOPs of one micro-batch on one rank's stage (matmuls and attention).
+double stage_forward_flops(const ModelDesc& model, const Plan& plan, const StageShape& st) {
+  const auto& c = plan.grid;
+  if (model.opaque()) return model.opaque_flops_per_row() / 3.0 * plan.micro_batch_rows() / c.tensor();
+  const double h = static_cast<double>(model.hidden()), s = static_cast<double>(model.seq());
+  const double tokens = static_cast<double>(plan.micro_batch_rows()) * s;
+  const double mlp = model.mlp_matrices() * h * model.ffn_width();
+  double flops = 0;
+  for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
+    const double mlp_active = model.moe_block(b) ? model.top_k() * mlp + h * model.experts() : mlp;
+    flops += 2 * tokens * (4 * h * h + mlp_active) + 4 * tokens * s * h;
+  }
+  if (st.head) flops += 2 * tokens * model.vocab() * h;
+  return flops / (c.tensor() * c.sequence());
+}
+
+// Simulations are pure and the search asks for the same ones again and again.
+parallel::Simulation simulate_cached(parallel::ScheduleKind kind, int pp, int m, int chunks,
+                                     const parallel::ActionCosts& costs) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int>, parallel::Simulation> unit_cache;
+  // Costs scale the unit simulation when there is no message cost; messages
+  // change the shape, so those are simulated every time.
+  if (costs.message > 0) return parallel::simulate(parallel::make_schedule(kind, pp, m, chunks), costs);
+  parallel::Simulation unit;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto key = std::make_tuple(static_cast<int>(kind), pp, m, chunks);
+    auto it = unit_cache.find(key);
+    if (it == unit_cache.end())
+      it = unit_cache.emplace(key, parallel::simulate(parallel::make_schedule(kind, pp, m, chunks), {1, 2, 1, 1, 0})).first;
+    unit = it->second;
+  }
+  unit.makespan *= costs.forward;
+  return unit;
+}
+
+}  // namespace
+
+void check_plan(const ModelDesc& model, const Plan& plan) {
+  const auto& c = plan.grid;
+  context::resolve(c, plan.world());
+  plan.spec.resolve(c.data() * c.sequence());
+  TORCH_CHECK(plan.global_batch > 0 && plan.micro_batches > 0, "plan: batch and micro-batches must be positive");
+  TORCH_CHECK(plan.global_batch % c.data() == 0, "plan: global batch ", plan.global_batch,
+              " does not split over data size ", c.data());
+  TORCH_CHECK(plan.replica_batch() % plan.micro_batches == 0, "plan: ", plan.replica_batch(),
+              " sequences per replica do not split into ", plan.micro_batches, " micro-batches");
+  if (model.opaque()) {
+    TORCH_CHECK(c.pipeline() == 1 && c.tensor() == 1 && c.sequence() == 1,
+                "plan: a module seen only by its parameter count gets data parallelism only (dp × sharding)");
+    return;
+  }
+  TORCH_CHECK(c.pipeline() * plan.chunks <= model.layers() + 2, "plan: ", c.pipeline() * plan.chunks,
+              " pipeline stages for ", model.layers() + 2, " layers (embed, blocks, head)");
+  const int64_t split = c.tensor_mode() == TensorMode::k1D ? 1
+                        : c.tensor_mode() == TensorMode::k3D
+                            ? c.tensor() / static_cast<int>(std::lround(std::cbrt(c.tensor())))
+                            : c.tensor() / static_cast<int>(std::lround(std::sqrt(c.tensor() / c.tensor_depth())));
+  TORCH_CHECK(plan.micro_batch_rows() % split == 0, "plan: ", plan.micro_batch_rows(),
+              " sequences per micro-batch do not split over the ", split, " batch blocks of tensor mode ",
+              context::tensor_mode_name(c.tensor_mode()));
+  TORCH_CHECK(model.seq() % c.sequence() == 0, "plan: sequence ", model.seq(), " does not split over ", c.sequence(),
+              " sequence ranks");
+  TORCH_CHECK(model.heads() % (c.tensor_mode() == TensorMode::k1D ? c.tensor() : 1) == 0, "plan: ", model.heads(),
+              " heads do not split over tensor size ", c.tensor());
+  if (c.expert() > 1)
+    TORCH_CHECK(model.experts() % c.expert() == 0, "plan: ", model.experts(), " experts do not split over expert size ",
+                c.expert());
+}
+
+Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& cluster, double memory_limit) {
+  Estimate est;
+  est.plan = plan;
+  const auto& c = plan.grid;
+  const context::RankGrid grid(c, plan.world());
+  const double limit = memory_limit > 0 ? memory_limit : cluster.memory_bytes;
+  est.memory = predict_memory(model, plan, 0);
+  if (est.memory.peak() > limit) {
+    est.fits = false;
+    est.why = fmt::format("needs {:.2f} GB per rank, over the {:.2f} GB limit", est.memory.peak() / 1e9, limit / 1e9);
+  }
+  const double m = static_cast<double>(plan.micro_batches);
+  // The slowest pipeline rank sets the step.
+  for (int pp_rank = 0; pp_rank < c.pipeline(); ++pp_rank) {
+    std::array<int, context::kNumDims> coords{};
+    coords[static_cast<int>(context::Dim::kPipeline)] = pp_rank;
+    const int rank = grid.global_rank_at(coords);
+    Traffic traffic = predict_traffic(model, plan, rank);
+    place(traffic, plan, cluster.gpus_per_node, rank);
+    double fwd_flops = 0;
+    const auto stages = stages_of(model, plan, pp_rank);
+    for (const auto& st : stages) fwd_flops += stage_forward_flops(model, plan, st);
+    const double chunk_fwd = fwd_flops / stages.size() / cluster.compute_rate();
+    std::map<std::string, double> comm;
+    double blocking_mb = 0, data_overlapped = 0, data_blocking = 0, message = 0;
+    for (const Collective& x : traffic.items()) {
+      const double t = cluster.seconds(x.op, x.size, x.calls, x.bus_bytes, x.nodes, x.per_node);
+      comm[x.component] += t;
+      if (x.component == "pipeline") {
+        if (x.op == comm::OpType::kSend) message += t / x.calls;
+        else if (x.op == comm::OpType::kAllReduce) data_blocking += t;  // the tied embedding, after the schedule
+      } else if (x.component == "tensor" || x.component == "sequence" || x.component == "expert") {
+        blocking_mb += t / m / stages.size();
+      } else if (x.overlapped) {
+        data_overlapped += t;
+      } else {
+        data_blocking += t;
+      }
+    }
+    // Blocking layer traffic: a third in forward, two thirds in backward.
+    parallel::ActionCosts costs;
+    costs.forward = chunk_fwd + blocking_mb / 3;
+    costs.backward = 2 * chunk_fwd + (plan.checkpoint_activations ? chunk_fwd : 0) + 2 * blocking_mb / 3;
+    costs.backward_input = costs.backward / 2;
+    costs.backward_weight = costs.backward / 2;
+    costs.message = message;
+    double makespan = 0, bubble = 0;
+    if (c.pipeline() > 1) {
+      if (message == 0 && costs.backward == 2 * costs.forward) {
+        const auto sim = simulate_cached(plan.schedule, c.pipeline(), plan.micro_batches, plan.chunks, costs);
+        makespan = sim.makespan;
+        bubble = sim.bubble;
+      } else {
+        const auto sim = parallel::simulate(
+            parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks),
+            costs);
+        makespan = sim.makespan;
+        bubble = sim.bubble;
+      }
+    } else {
+      makespan = m * (costs.forward + costs.backward);
+    }
+    const double compute = m * stages.size() * (3 * chunk_fwd + (plan.checkpoint_activations ? chunk_fwd : 0));
+    const double hidden = cluster.overlap * std::min(data_overlapped, compute);
+    const double exposed = data_overlapped - hidden + data_blocking;
+    if (pp_rank == 0 || makespan + exposed > est.pipeline_s + est.data_exposed_s) {
+      est.traffic = traffic;
+      est.compute_s = compute;
+      est.pipeline_s = makespan;
+      est.bubble = bubble;
+      est.comm_s = comm;
+      est.data_exposed_s = exposed;
+    }
+  }
+  // The optimizer reads and writes its states, masters, gradient and
+  // parameter shards once; offloaded, it runs on the host and the gradient
+  // shard goes there and the parameter shard comes back.
+  const MemoryEstimate& mem = est.memory;
+  const double e = plan.bf16 ? 2.0 : 4.0, opt = plan.bf16 ? 12.0 : 8.0;
+  const double shard = (plan.offload ? mem.host : mem.optim) / opt;  // elements this rank steps
+  const double touched = 2 * opt * shard + 3 * e * shard;            // states read and written, gradient, parameter
+  if (plan.offload) {
+    const double host_rate = cluster.host_flops > 0 ? cluster.host_flops : cluster.memory_bandwidth / 8;
+    est.optimizer_s = 2 * e * shard / cluster.host_bandwidth + touched / host_rate;
+  } else {
+    est.optimizer_s = touched / cluster.memory_bandwidth;
+  }
+  est.step_s = est.pipeline_s + est.data_exposed_s + est.optimizer_s;
+  const double model_flops = model.flops_per_sequence() * plan.global_batch;
+  est.mfu = model_flops / (est.step_s * plan.world() * cluster.peak_flops);
+  est.tokens_per_s = plan.global_batch * model.seq() / est.step_s;
+  return est;
+}
+
+std::string Estimate::summary() const {
+  std::string comm;
+  for (const auto& [k, v] : comm_s)
+    if (v > 0) comm += fmt::format(" {}={:.3g}s", k, v);
+  return fmt::format("{:<48} step {:8.4g}s  MFU {:5.1f}%  mem {:6.2f} GB{}  pipe {:.4g}s (bubble {:.0f}%)  "
+                     "data exposed {:.3g}s  optim {:.3g}s |{}",
+                     plan.to_string(), step_s, 100 * mfu, memory.peak() / 1e9, fits ? "" : " (over)", pipeline_s,
+                     100 * bubble, data_exposed_s, optimizer_s, comm);
+}
+
+std::string Estimate::to_json() const {
+  nlohmann::json comm = nlohmann::json::object();
+  for (const auto& [k, v] : comm_s) comm[k] = v;
+  nlohmann::json bytes = nlohmann::json::array();
+  for (const Collective& x : traffic.items())
+    bytes.push_back({{"component", x.component},
+                     {"group", x.group},
+                     {"op", comm::op_type_name(x.op)},
+                     {"ranks", x.size},
+                     {"nodes", x.nodes},
+                     {"calls", x.calls},
+                     {"bytes", x.bytes},
+                     {"bus_bytes", x.bus_bytes}});
+  nlohmann::json j{{"plan", nlohmann::json::parse(plan.to_json())},
+                   {"label", plan.to_string()},
+                   {"step_s", step_s},
+                   {"mfu", mfu},
+                   {"tokens_per_s", tokens_per_s},
+                   {"fits", fits},
+                   {"memory_gb",
+                    {{"params", memory.params / 1e9},
+                     {"grads", memory.grads / 1e9},
+                     {"optim", memory.optim / 1e9},
+                     {"host", memory.host / 1e9},
+                     {"activations", memory.activations / 1e9},
+                     {"buffers", memory.buffers / 1e9},
+                     {"peak", memory.peak() / 1e9}}},
+                   {"time_s",
+                    {{"compute", compute_s},
+                     {"pipeline", pipeline_s},
+                     {"bubble", bubble},
+                     {"data_exposed", data_exposed_s},
+                     {"optimizer", optimizer_s}}},
+                   {"comm_s", comm},
+                   {"collectives", bytes}};
+  if (!why.empty()) j["why"] = why;
+  return j.dump();
+}
+
+}  // namespace planner
+}  // namespace tessera

@@ -1,0 +1,89 @@
+#include "tessera/planner/memory.h"
+
+#include "tessera/context/rank_grid.h"
+#include "tessera/parallel/pipeline_simulator.h"
+#include "tessera/planner/traffic.h"
+
+#include <algorithm>
+
+namespace tessera {
+namespace planner {
+
+// Note [Activation memory]
+// What one block keeps for backward, per token of the rank's layout, in
+// activation elements: the two LayerNorms' inputs and outputs (4h), the
+// attention's q, k, v and output (4h), its scores and probabilities
+// (2 · heads · keys), and the MLP's hidden activations before and after the
+// nonlinearity (2f; SwiGLU keeps gate, up and their product, 3f). 1D tensor
+// parallelism splits everything but the LayerNorms' 4h; the other tensor
+// modes split all of it; sequence parallelism splits the tokens, and the
+// keys a score row spans for ring attention (one block of keys at a time).
+// With activation checkpointing a block keeps its input (h) and one block
+// at a time is rebuilt in backward. MoE blocks keep top_k times the MLP
+// part. This follows Korthikanti et al. 2022 in shape; the coefficients are
+// tessera's (LibTorch's saved tensors), checked against the counting
+// allocator (docs/planner.md).
+double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
+  if (model.opaque()) return 0;
+  const auto& c = plan.grid;
+  const double h = static_cast<double>(model.hidden()), f = static_cast<double>(model.ffn_width());
+  const double e = plan.bf16 ? 2.0 : 4.0;
+  const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
+  const double keys = c.sequence() > 1 && c.sequence_mode() != context::SequenceMode::kUlysses
+                          ? static_cast<double>(model.seq()) / c.sequence()
+                          : static_cast<double>(model.seq());
+  const double mlp = (model.mlp_matrices() == 3 ? 3.0 : 2.0) * f;
+  const double replicated = 4 * h, split = 4 * h + (model.fused_attention() ? 0.0 : 2.0 * model.heads() * keys) + mlp;
+  const double per_token = c.tensor_mode() == context::TensorMode::k1D ? replicated + split / c.tensor()
+                                                                         : (replicated + split) / c.tensor();
+  return tokens * per_token * e;
+}
+
+MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int global_rank) {
+  MemoryEstimate m;
+  const auto& c = plan.grid;
+  const context::RankGrid grid(c, plan.world());
+  const int pp_rank = grid.coordinate(context::Dim::kPipeline, global_rank);
+  const LocalParams lp = local_params(model, plan, pp_rank);
+  const double e = plan.bf16 ? 2.0 : 4.0, opt = plan.bf16 ? 12.0 : 8.0;
+  auto states = [&](double numel, int n) {
+    if (numel <= 0) return;
+    const parallel::ShardDegrees d = plan.spec.resolve(n);
+    const double padded = numel + d.optim;  // each bucket padded to a multiple of the largest degree
+    m.params += e * padded / d.params;
+    m.grads += e * padded / d.grads;
+    (plan.offload ? m.host : m.optim) += opt * padded / d.optim;
+  };
+  states(lp.dense, c.data() * (c.sequence() > 1 ? c.sequence() : 1));
+  states(lp.expert, c.data() / c.expert());
+
+  // Activations: micro-batches in flight on this rank's stages.
+  const auto stages = stages_of(model, plan, pp_rank);
+  int64_t blocks = 0;
+  for (const auto& st : stages) blocks += st.blocks;
+  const double per_block = block_activation_bytes(model, plan);
+  if (c.pipeline() > 1) {
+    const auto sim = parallel::simulate(parallel::make_schedule(plan.schedule, c.pipeline(),
+                                                                static_cast<int>(plan.micro_batches), plan.chunks));
+    m.inflight = sim.peak_inflight[pp_rank];
+  }
+  const double per_chunk_blocks = static_cast<double>(blocks) / stages.size();
+  if (plan.checkpoint_activations) {
+    const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
+    const double kept = tokens * model.hidden() * e / (c.tensor_mode() == context::TensorMode::k1D ? 1 : c.tensor());
+    m.activations = m.inflight * per_chunk_blocks * kept + per_block;
+  } else {
+    m.activations = m.inflight * per_chunk_blocks * per_block;
+  }
+  // Gathered parameters: the unit in use and the prefetched one (a block
+  // each); full-size gradients of the stage until its reduction under a
+  // pipeline.
+  const parallel::ShardDegrees d = plan.spec.resolve(c.data() * (c.sequence() > 1 ? c.sequence() : 1));
+  const double unit = blocks > 0 ? (lp.dense + lp.expert) / std::max<int64_t>(blocks, 1) : lp.dense + lp.expert;
+  if (d.params > 1) m.buffers += 2 * e * unit;
+  if (c.pipeline() > 1 && d.grads > 1) m.buffers += e * (lp.dense + lp.expert) * (1 - 1.0 / d.grads);
+  return m;
+}
+
+}  // namespace planner
+}  // namespace tessera

@@ -1,0 +1,261 @@
+// The planner's cost model against what really happens: the bytes the
+// tracing communicator records in a training step of the GPT under every
+// sharding preset, pipeline schedule and tensor, sequence and expert mode
+// (each rank against its own prediction), and the model-state memory
+// ShardedOptimizer counts. Run at 1, 2, 4 and 8 ranks; each case runs
+// where its grid fits.
+#include "support/test_util.h"
+
+#include <tessera/comm/tracing_communicator.h>
+#include <tessera/models/gpt.h>
+#include <tessera/planner/memory.h>
+#include <tessera/planner/search.h>
+#include <tessera/planner/traffic.h>
+#include <tessera/tessera.h>
+#include <tessera/train/trainer.h>
+
+#include <torch/optim/adamw.h>
+
+#include <fmt/format.h>
+
+#include <map>
+#include <set>
+
+namespace tessera {
+namespace {
+
+using comm::OpType;
+using context::ParallelConfig;
+using context::ParallelMode;
+using context::SequenceMode;
+using context::TensorMode;
+using parallel::ScheduleKind;
+
+struct Case {
+  std::string name;
+  ParallelConfig grid;
+  std::string spec = "ddp";
+  int64_t micro_batches = 1;
+  ScheduleKind schedule = ScheduleKind::k1F1B;
+  int chunks = 1;
+  int64_t experts = 0;
+  bool tied = true;
+  int64_t batch = 16;
+};
+
+models::GPTConfig gpt_config(const Case& c) {
+  models::GPTConfig g;
+  g.vocab = 101;
+  g.context = 16;
+  g.layers = 2;
+  g.heads = 8;
+  g.hidden = 64;
+  g.tied = c.tied;
+  g.experts = c.experts;
+  g.moe_every = 2;
+  return g;
+}
+
+struct Measured {
+  std::map<std::pair<std::string, OpType>, double> bytes;
+  parallel::ModelStateBytes memory;
+  int64_t local_numel = 0;
+};
+
+Measured run_case(const Case& c, const comm::CommunicatorPtr& world) {
+  auto trace = std::make_shared<comm::CommTrace>();
+  auto control = std::make_shared<comm::CommTrace>();
+  auto traced = std::make_shared<comm::TracingCommunicator>(world, trace, control);
+  auto ctx = context::ParallelContext::create(traced, c.grid);
+  torch::manual_seed(1);
+  auto gpt = std::make_shared<models::GPTImpl>(gpt_config(c), nn::make_layer_factory(ctx));
+  auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : named) params.push_back(p.second);
+    return std::shared_ptr<torch::optim::Optimizer>(std::make_shared<torch::optim::AdamW>(params));
+  };
+  auto options = train::TrainerOptions().spec(parallel::ShardingSpec::parse(c.spec));
+  if (c.grid.pipeline() > 1) {
+    options.pipeline(
+        parallel::PipelineOptions().schedule(c.schedule).microbatches(c.micro_batches).chunks(c.chunks));
+  } else {
+    options.accumulation(c.micro_batches);
+  }
+  train::Trainer trainer(ctx, train::gpt_train_model(gpt), make, options);
+  const int dp = ctx->size(ParallelMode::kData), me = ctx->comm(ParallelMode::kData)->rank();
+  const int64_t rows = c.batch / dp;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const at::Tensor ids = at::randint(101, {c.batch, 16}, gen, at::kLong);
+  const at::Tensor x = ids.narrow(0, me * rows, rows), y = ids.roll(-1, 1).narrow(0, me * rows, rows);
+  trainer.train_step(x, y);
+  trace->reset();
+  trainer.train_step(x, y);
+  Measured m;
+  for (const auto& [key, record] : trace->snapshot())
+    if (record.calls > 0) m.bytes[key] = static_cast<double>(record.bytes);
+  // What an expert rank sends back depends on the routing; the mean over
+  // the expert group does not (dropless: every row sent is received).
+  const auto a2a = std::make_pair(ctx->comm(ParallelMode::kExpert)->name(), OpType::kAllToAll);
+  if (ctx->size(ParallelMode::kExpert) > 1) {
+    at::Tensor b = at::tensor({m.bytes[a2a]}, at::kDouble);
+    ctx->comm(ParallelMode::kExpert)->control()->all_reduce(b);
+    m.bytes[a2a] = b.item<double>() / ctx->size(ParallelMode::kExpert);
+  }
+  m.memory = trainer.memory();
+  if (std::getenv("PLANNER_DEBUG")) {
+    std::map<std::string, int64_t> by_group;
+    for (const auto& [name, p] : gpt->placements())
+      for (const auto& g : p.gradient_groups()) by_group[g->name()] += p.param.numel();
+    for (const auto& [g, n] : by_group)
+      if (world->rank() == 0) fmt::print("{} partial over {}: {}\n", c.name, g, n);
+  }
+  std::set<const c10::TensorImpl*> seen;  // a tied weight is in two layers
+  for (const auto& p : trainer.local_module().parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) m.local_numel += p.numel();
+  return m;
+}
+
+planner::Plan plan_of(const Case& c, int world) {
+  planner::Plan p;
+  p.grid = context::resolve(c.grid, world);
+  p.spec = parallel::ShardingSpec::parse(c.spec);
+  p.global_batch = c.batch;
+  p.micro_batches = c.micro_batches;
+  p.schedule = c.schedule;
+  p.chunks = c.chunks;
+  return p;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const char* spec : {"ddp", "zero1", "zero2", "zero3", "mics:2", "hpz:2", "{R,P(2),S}", "{P(2),P(2),S}"})
+    out.push_back({std::string("dp_") + spec, ParallelConfig(), spec});
+  out.push_back({"dp_zero3_accumulate2", ParallelConfig(), "zero3", 2});
+  out.push_back({"dp_untied_zero2", ParallelConfig(), "zero2", 1, ScheduleKind::k1F1B, 1, 0, false});
+  for (ScheduleKind k : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1,
+                         ScheduleKind::kZeroBubbleH2}) {
+    out.push_back({"pp2_" + parallel::to_string(k), ParallelConfig().pipeline(2), "ddp", 4, k});
+  }
+  out.push_back({"pp2_interleaved", ParallelConfig().pipeline(2), "ddp", 4, ScheduleKind::kInterleaved1F1B, 2});
+  out.push_back({"pp2_zero3", ParallelConfig().pipeline(2), "zero3", 4});
+  out.push_back({"tp2_1d", ParallelConfig().tensor(2), "ddp"});
+  out.push_back({"tp2_1d_zero2", ParallelConfig().tensor(2), "zero2"});
+  out.push_back({"tp4_2d", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D), "ddp"});
+  out.push_back({"tp8_2p5d", ParallelConfig().tensor(8).tensor_mode(TensorMode::k2p5D).tensor_depth(2), "ddp"});
+  out.push_back({"tp8_3d", ParallelConfig().tensor(8).tensor_mode(TensorMode::k3D), "ddp", 1, ScheduleKind::k1F1B, 1,
+                 0, true, 64});
+  for (SequenceMode m : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa})
+    out.push_back({"sp2_" + context::sequence_mode_name(m), ParallelConfig().sequence(2).sequence_mode(m), "ddp"});
+  out.push_back({"ep2_moe", ParallelConfig().expert(2), "ddp", 1, ScheduleKind::k1F1B, 1, 4});
+  out.push_back({"ep2_moe_zero2", ParallelConfig().expert(2), "zero2", 1, ScheduleKind::k1F1B, 1, 4});
+  return out;
+}
+
+TEST(Planner, BytesAndModelStatesEqualTheMeasuredStep) {
+  auto world = test::world();
+  const int n = world->size();
+  int ran = 0;
+  for (const Case& c : cases()) {
+    ParallelConfig resolved;
+    try {
+      resolved = context::resolve(c.grid, n);
+    } catch (const c10::Error&) {
+      continue;  // the grid does not fit this world
+    }
+    if (resolved.data() == 1 && c.name.rfind("dp_", 0) == 0 && c.spec != "ddp") continue;
+    if (resolved.expert() > 1 && resolved.data() % resolved.expert() != 0) continue;
+    if (c.spec.find('2') != std::string::npos && resolved.data() % 2 != 0) continue;
+    ++ran;
+    const Measured m = run_case(c, world);
+    const planner::Plan plan = plan_of(c, n);
+    const planner::ModelDesc model = planner::ModelDesc::gpt(gpt_config(c), 16);
+    const planner::Traffic predicted = planner::predict_traffic(model, plan, world->rank());
+    std::map<std::pair<std::string, OpType>, double> want;
+    for (const auto& item : predicted.items()) want[{item.group, item.op}] += item.bytes;
+    std::string report;
+    bool bad = false;
+    for (const auto& [key, bytes] : m.bytes) {
+      const double p = want.count(key) ? want.at(key) : 0.0;
+      const bool ok = std::abs(p - bytes) <= 0.05 * bytes;
+      bad = bad || !ok;
+      report += fmt::format("  {} {:<24} {:<15} traced {:>10.0f} predicted {:>10.0f}\n", ok ? " " : "X", key.first,
+                            comm::op_type_name(key.second), bytes, p);
+    }
+    for (const auto& [key, bytes] : want) {
+      if (m.bytes.count(key) || bytes == 0) continue;
+      bad = true;
+      report += fmt::format("  X {:<24} {:<15} traced {:>10} predicted {:>10.0f}\n", key.first,
+                            comm::op_type_name(key.second), 0, bytes);
+    }
+    const planner::LocalParams lp = planner::local_params(model, plan,
+                                                          context::RankGrid(plan.grid, n).coordinate(
+                                                              context::Dim::kPipeline, world->rank()));
+    const double numel = lp.dense + lp.expert;
+    const bool numel_ok = std::abs(numel - m.local_numel) <= 0.01 * m.local_numel;
+    if (!numel_ok) report += fmt::format("  X local params {} predicted {:.0f}\n", m.local_numel, numel);
+    const planner::MemoryEstimate mem = planner::predict_memory(model, plan, world->rank());
+    auto close = [](double predicted, int64_t measured) {
+      return std::abs(predicted - measured) <= 0.05 * std::max<int64_t>(measured, 1);
+    };
+    EXPECT_TRUE(close(mem.params, m.memory.params) && close(mem.grads, m.memory.grads) &&
+                close(mem.optim, m.memory.optim))
+        << c.name << " rank " << world->rank() << ": model states measured params " << m.memory.params << " grads "
+        << m.memory.grads << " optimizer " << m.memory.optim << ", predicted " << mem.params << " " << mem.grads << " "
+        << mem.optim;
+    EXPECT_FALSE(bad || !numel_ok) << c.name << " (" << plan.to_string() << ") rank " << world->rank() << ":\n"
+                                   << report;
+  }
+  EXPECT_GT(ran, 0);
+}
+
+}  // namespace
+}  // namespace tessera
+
+namespace tessera {
+namespace {
+
+TEST(Planner, BadInputIsRefused) {
+  EXPECT_TRUE(test::throws_with([] { planner::ModelDesc::preset("llama-8b", 128); }, "unknown model preset 'llama-8b'"));
+  EXPECT_TRUE(test::throws_with([] { planner::ClusterDesc::from_json(R"({"nodez": 2})"); }, "unknown key 'nodez'"));
+  EXPECT_TRUE(test::throws_with([] { planner::ClusterDesc::from_json(R"({"nodes": 0})"); }, "'nodes' must be an integer >= 1"));
+  EXPECT_TRUE(test::throws_with([] { planner::ClusterDesc::from_json(R"({"intra": {"all_reduse": {"bandwidth_gbs": 1}}})"); },
+                                "unknown collective 'all_reduse'"));
+  planner::Plan p;
+  p.grid = context::ParallelConfig().data(4);
+  p.global_batch = 6;
+  const auto model = planner::ModelDesc::preset("gpt-tiny", 32);
+  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "global batch 6 does not split over data size 4"));
+  p.global_batch = 8;
+  p.micro_batches = 3;
+  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "do not split into 3 micro-batches"));
+  p.micro_batches = 1;
+  p.spec = parallel::ShardingSpec::mics(3);
+  EXPECT_ANY_THROW(planner::check_plan(model, p));
+}
+
+// The search keeps to the memory limit and to AMSP's placement rules, and
+// what it returns is ordered by predicted step time.
+TEST(Planner, SearchRespectsTheLimitAndTheRules) {
+  for (const auto& s : planner::amsp_specs(16, 4)) {
+    const auto d = s.resolve(16);
+    EXPECT_TRUE(d.params <= d.grads && d.grads <= d.optim) << s.to_string();
+    for (int k : {d.params, d.grads, d.optim}) EXPECT_TRUE(4 % k == 0 || k % 4 == 0) << s.to_string();
+  }
+  planner::ClusterDesc cluster = planner::ClusterDesc::preset("a800-amsp");
+  cluster.nodes = 2;
+  planner::SearchOptions o;
+  o.global_batch = 64;
+  o.memory_limit = 20e9;
+  o.top = 8;
+  const auto model = planner::ModelDesc::preset("llama-7b", 2048);
+  const auto r = planner::search(model, cluster, o);
+  ASSERT_FALSE(r.best.empty());
+  EXPECT_GT(r.over_memory, 0) << "a 20 GB limit must rule out replicated 7B states";
+  for (size_t i = 0; i < r.best.size(); ++i) {
+    EXPECT_LE(r.best[i].memory.peak(), 20e9) << r.best[i].summary();
+    if (i > 0) EXPECT_LE(r.best[i - 1].step_s, r.best[i].step_s);
+  }
+}
+
+}  // namespace
+}  // namespace tessera
