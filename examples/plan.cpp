@@ -114,7 +114,9 @@ int run(int argc, char** argv) {
   const int64_t seq = to_int("--seq", get("--seq", "1024"));
   planner::ModelDesc model;
   if (a.count("--model")) {
-    TORCH_CHECK(!a.count("--layers") && !a.count("--hidden"), "give --model or the shapes (--layers ...), not both");
+    for (const char* shape : {"--layers", "--hidden", "--heads", "--vocab", "--ffn", "--experts", "--moe-every", "--top-k"})
+      TORCH_CHECK(!a.count(shape), "give --model or the shapes (", shape, " ...), not both: --model ", a.at("--model"),
+                  " fixes them");
     model = planner::ModelDesc::preset(a.at("--model"), seq);
   } else {
     models::GPTConfig c;

@@ -2,6 +2,8 @@
 
 #include "tessera/parallel/pipeline_simulator.h"
 
+#include "grid_math.h"
+
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -10,8 +12,6 @@
 #include <array>
 #include <cmath>
 #include <map>
-#include <mutex>
-#include <tuple>
 
 namespace tessera {
 namespace planner {
@@ -35,27 +35,6 @@ double stage_forward_flops(const ModelDesc& model, const Plan& plan, const Stage
   return flops / (c.tensor() * c.sequence());
 }
 
-// Simulations are pure and the search asks for the same ones again and again.
-parallel::Simulation simulate_cached(parallel::ScheduleKind kind, int pp, int m, int chunks,
-                                     const parallel::ActionCosts& costs) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, int>, parallel::Simulation> unit_cache;
-  // Costs scale the unit simulation when there is no message cost; messages
-  // change the shape, so those are simulated every time.
-  if (costs.message > 0) return parallel::simulate(parallel::make_schedule(kind, pp, m, chunks), costs);
-  parallel::Simulation unit;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_tuple(static_cast<int>(kind), pp, m, chunks);
-    auto it = unit_cache.find(key);
-    if (it == unit_cache.end())
-      it = unit_cache.emplace(key, parallel::simulate(parallel::make_schedule(kind, pp, m, chunks), {1, 2, 1, 1, 0})).first;
-    unit = it->second;
-  }
-  unit.makespan *= costs.forward;
-  return unit;
-}
-
 }  // namespace
 
 void check_plan(const ModelDesc& model, const Plan& plan) {
@@ -74,17 +53,16 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   }
   TORCH_CHECK(c.pipeline() * plan.chunks <= model.layers() + 2, "plan: ", c.pipeline() * plan.chunks,
               " pipeline stages for ", model.layers() + 2, " layers (embed, blocks, head)");
-  const int64_t split = c.tensor_mode() == TensorMode::k1D ? 1
-                        : c.tensor_mode() == TensorMode::k3D
-                            ? c.tensor() / static_cast<int>(std::lround(std::cbrt(c.tensor())))
-                            : c.tensor() / static_cast<int>(std::lround(std::sqrt(c.tensor() / c.tensor_depth())));
+  // Batch blocks of the tensor mode: 2d q, 2.5d q·depth, 3d q².
+  const int q = detail::grid_q(c);
+  const int64_t split = c.tensor_mode() == TensorMode::k1D ? 1 : c.tensor() / q;
   TORCH_CHECK(plan.micro_batch_rows() % split == 0, "plan: ", plan.micro_batch_rows(),
               " sequences per micro-batch do not split over the ", split, " batch blocks of tensor mode ",
               context::tensor_mode_name(c.tensor_mode()));
   TORCH_CHECK(model.seq() % c.sequence() == 0, "plan: sequence ", model.seq(), " does not split over ", c.sequence(),
               " sequence ranks");
-  TORCH_CHECK(model.heads() % (c.tensor_mode() == TensorMode::k1D ? c.tensor() : 1) == 0, "plan: ", model.heads(),
-              " heads do not split over tensor size ", c.tensor());
+  TORCH_CHECK(model.heads() % q == 0, "plan: ", model.heads(), " heads do not split over the ", q,
+              " hidden blocks of tensor size ", c.tensor(), " (", context::tensor_mode_name(c.tensor_mode()), ")");
   if (c.expert() > 1)
     TORCH_CHECK(model.experts() % c.expert() == 0, "plan: ", model.experts(), " experts do not split over expert size ",
                 c.expert());
@@ -138,17 +116,11 @@ Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& c
     costs.message = message;
     double makespan = 0, bubble = 0;
     if (c.pipeline() > 1) {
-      if (message == 0 && costs.backward == 2 * costs.forward) {
-        const auto sim = simulate_cached(plan.schedule, c.pipeline(), plan.micro_batches, plan.chunks, costs);
-        makespan = sim.makespan;
-        bubble = sim.bubble;
-      } else {
-        const auto sim = parallel::simulate(
-            parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks),
-            costs);
-        makespan = sim.makespan;
-        bubble = sim.bubble;
-      }
+      const auto sim = parallel::simulate(
+          parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks),
+          costs);
+      makespan = sim.makespan;
+      bubble = sim.bubble;
     } else {
       makespan = m * (costs.forward + costs.backward);
     }

@@ -30,6 +30,15 @@ inline int grid_q(const context::ParallelConfig& c) {
   }
 }
 
+// What one rank's share of a [rows, hidden] matrix is divided by: tp, but
+// 2.5d replicates matrices over its depth.
+inline int matrix_split(const context::ParallelConfig& c) {
+  return c.tensor_mode() == context::TensorMode::k2p5D ? c.tensor() / c.tensor_depth() : c.tensor();
+}
+
+// The unit the vocabulary is padded to: tp in 1d, q otherwise.
+inline int vocab_unit(const context::ParallelConfig& c) { return grid_q(c); }
+
 }  // namespace detail
 }  // namespace planner
 }  // namespace tessera

@@ -97,8 +97,8 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
   const int q = grid_q(c), depth = c.tensor_mode() == TensorMode::k2p5D ? c.tensor_depth() : 1;
   // Matrices split over the tensor group (2.5D: replicated over depth);
   // vectors over the hidden blocks (q), whole in 1D except column biases.
-  const double mat_div = one_d ? tp : tp / depth, vec_div = one_d ? 1 : q;
-  const int64_t vocab_unit = one_d ? tp : q;
+  const double mat_div = detail::matrix_split(c), vec_div = one_d ? 1 : q;
+  const int64_t vocab_unit = detail::vocab_unit(c);
   double weights = 0, col_b = 0, replicated = 0;  // this rank's, unsplit by vec_div for vectors
   for (const StageShape& st : stages_of(model, plan, pp_rank)) {
     for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
@@ -206,10 +206,10 @@ void pipeline_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Tra
     for (const StageShape& st : stages_of(model, plan, pp_rank)) holds = holds || st.embed || st.head;
     const int first = 0, last = (stages - 1) % pp;
     if (holds && first != last) {
-      const int64_t unit = c.tensor_mode() == TensorMode::k1D ? c.tensor() : grid_q(c);
-      const double div = c.tensor_mode() == TensorMode::k1D ? c.tensor() : c.tensor() / (c.tensor_mode() == TensorMode::k2p5D ? c.tensor_depth() : 1);
       out.add("pipeline", ParallelMode::kPipeline, "pipeline.tied", 2, OpType::kAllReduce, 1,
-              pad_to(model.vocab(), unit) * model.hidden() / div, e);
+              static_cast<double>(pad_to(model.vocab(), detail::vocab_unit(c)) * model.hidden()) /
+                  detail::matrix_split(c),
+              e);
     }
   }
 }
