@@ -15,13 +15,12 @@
 // --compare evaluates each spec with data parallelism only, at its fastest
 // micro-batch count and checkpointing choice that fits, and prints it beside the search.
 #include <tessera/models/gpt.h>
-#include <tessera/planner/search.h>
+#include <tessera/planner/report.h>
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -71,24 +70,6 @@ double to_double(const std::string& flag, const std::string& v) {
   return x;
 }
 
-std::string breakdown(const planner::Estimate& e) {
-  std::string s = fmt::format(
-      "    memory per rank: params {:.2f} GB, grads {:.2f} GB, optimizer {:.2f} GB{}, activations {:.2f} GB "
-      "({} micro-batches in flight), buffers {:.2f} GB\n",
-      e.memory.params / 1e9, e.memory.grads / 1e9, e.memory.optim / 1e9,
-      e.memory.host > 0 ? fmt::format(" (+{:.2f} GB in host memory)", e.memory.host / 1e9) : "",
-      e.memory.activations / 1e9, e.memory.inflight, e.memory.buffers / 1e9);
-  s += fmt::format("    time: compute {:.4g} s, pipeline makespan {:.4g} s (bubble {:.1f}%), data-parallel exposed "
-                   "{:.4g} s, optimizer {:.4g} s\n",
-                   e.compute_s, e.pipeline_s, 100 * e.bubble, e.data_exposed_s, e.optimizer_s);
-  for (const auto& x : e.traffic.items())
-    s += fmt::format("    {:<10} {:<22} {:<15} ranks {:>4} nodes {:>4}  calls {:>6.0f}  {:>10.4g} MB traced  "
-                     "{:>10.4g} MB on the wire{}\n",
-                     x.component, x.group, comm::op_type_name(x.op), x.size, x.nodes, x.calls, x.bytes / 1e6,
-                     x.bus_bytes / 1e6, x.overlapped ? "  (overlaps compute)" : "");
-  return s;
-}
-
 int run(int argc, char** argv) {
   std::map<std::string, std::string> a;
   const std::vector<std::string> switches = {"--json", "--fp32", "--dp-only", "--no-checkpointing", "--offload",
@@ -132,16 +113,8 @@ int run(int argc, char** argv) {
     if (a.count("--ffn")) model.ffn(to_int("--ffn", a.at("--ffn")));
   }
   if (a.count("--fused-attention")) model.fused_attention(true);
-  const std::string cl = get("--cluster", "a800-amsp");
-  planner::ClusterDesc cluster = cl.find(".json") != std::string::npos ? planner::ClusterDesc::from_json_file(cl)
-                                                                        : planner::ClusterDesc::preset(cl);
-  if (a.count("--comm-bench")) {
-    std::ifstream in(a.at("--comm-bench"));
-    TORCH_CHECK(in, "cannot read --comm-bench '", a.at("--comm-bench"), "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    cluster = planner::ClusterDesc::from_comm_bench(ss.str(), cluster);
-  }
+  planner::ClusterDesc cluster = planner::ClusterDesc::load(get("--cluster", "a800-amsp"));
+  if (a.count("--comm-bench")) cluster = planner::ClusterDesc::from_comm_bench_file(a.at("--comm-bench"), cluster);
   if (a.count("--nodes")) cluster.nodes = static_cast<int>(to_int("--nodes", a.at("--nodes")));
   if (a.count("--gpus-per-node")) cluster.gpus_per_node = static_cast<int>(to_int("--gpus-per-node", a.at("--gpus-per-node")));
   if (a.count("--memory-gb")) cluster.memory_bytes = to_double("--memory-gb", a.at("--memory-gb")) * 1e9;
@@ -168,37 +141,13 @@ int run(int argc, char** argv) {
   const bool json = a.count("--json") > 0;
 
   const planner::SearchResult r = planner::search(model, cluster, o);
-  if (!json) {
-    fmt::print("model:   {}\ncluster: {} ({} nodes x {} ranks, {:.0f} GB, {:.0f} of {:.0f} TFLOPS per rank)\n",
-               model.to_string(), cluster.name, cluster.nodes, cluster.gpus_per_node, cluster.memory_bytes / 1e9,
-               cluster.compute_rate() / 1e12, cluster.peak_flops / 1e12);
-    fmt::print("batch:   {} sequences ({} tokens) per step, {}\n", o.global_batch, o.global_batch * model.seq(),
-               o.bf16 ? "bf16 with fp32 masters" : "fp32");
-    fmt::print("searched {} plans: {} over the memory limit, {} not runnable\n\n", r.considered, r.over_memory,
-               r.invalid);
-  }
   if (r.best.empty()) {
     std::string msg = "no plan fits in the memory limit";
     if (!r.over.empty())
       msg += fmt::format("; the closest, {}, {}", r.over.front().plan.to_string(), r.over.front().why);
     TORCH_CHECK(false, msg, ". Raise --memory-gb, add --offload, or more ranks");
   }
-  for (size_t i = 0; i < r.best.size(); ++i) {
-    const auto& e = r.best[i];
-    if (json) {
-      fmt::print("{{\"rank\": {}, \"estimate\": {}}}\n", i + 1, e.to_json());
-    } else {
-      fmt::print("{}. {}\n", i + 1, e.summary());
-      if (i == 0) fmt::print("{}", breakdown(e));
-    }
-  }
-  if (!json && r.best.size() > 1) {
-    const auto &b = r.best[0], &n = r.best[1];
-    fmt::print("\nwhy 1 over 2: {:.3g} s less per step ({:+.3g} s pipeline, {:+.3g} s exposed data traffic, "
-               "{:+.3g} s optimizer), {:+.2f} GB memory\n",
-               n.step_s - b.step_s, b.pipeline_s - n.pipeline_s, b.data_exposed_s - n.data_exposed_s,
-               b.optimizer_s - n.optimizer_s, (b.memory.peak() - n.memory.peak()) / 1e9);
-  }
+  fmt::print("{}", planner::search_report(model, cluster, o, r, json));
   for (const auto& s : split_list(get("--compare", ""))) {
     planner::SearchOptions one = o;
     one.max_tensor = one.max_sequence = one.max_pipeline = 1;

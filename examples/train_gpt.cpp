@@ -16,11 +16,18 @@
 // elastically: the global batch changes at those steps and the data size
 // follows it, the trainer moving its state between layouts over the network
 // while the ranks it does not use sleep (docs/elastic.md).
+// --plan auto --comm-bench FILE [--memory-gb X] [--overlap F] lets the planner
+// choose the layout, sharding, micro-batches and checkpointing for this GPT
+// on these ranks from this machine's measured rates, printing its choice,
+// the next best and why; --plan flags predicts the layout the flags give.
+// Either way the run ends with the measured step time beside the predicted
+// one (docs/planner.md).
 #include <tessera/models/gpt.h>
 #include <tessera/nn/layer_factory.h>
 #include <tessera/tessera.h>
 
 #include "example_main.h"
+#include "gpt_plan.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -33,6 +40,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -97,6 +105,12 @@ Json defaults() {
           {"log_every", 1},
           {"batch_schedule", ""},
           {"min_rows_per_replica", 1},
+          {"plan", ""},
+          {"cluster", ""},
+          {"comm_bench", ""},
+          {"memory_gb", 0.0},
+          {"overlap", 0.0},
+          {"plan_top", 5},
           {"seed", 1}};
 }
 
@@ -286,12 +300,93 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} kB", b / 1e3);
 }
 
+// --plan auto|flags: measures this machine's rates, then either searches
+// for the fastest plan that fits --memory-gb and writes it into the flags,
+// or predicts the plan the flags give. Prints the report on rank 0.
+tessera::planner::Estimate plan_run(Json& a, const tessera::models::GPTConfig& cfg,
+                                    const tessera::train::OptimizerFactory& make_optimizer,
+                                    tessera::comm::TracingCommunicator& world, tessera::train::MetricsLog& log) {
+  namespace planner = tessera::planner;
+  const std::string mode = a["plan"];
+  TORCH_CHECK(mode == "auto" || mode == "flags", "--plan must be auto (the planner chooses the layout) or flags "
+              "(it predicts the flags' layout), got '", mode, "'");
+  TORCH_CHECK(a["batch_schedule"].get<std::string>().empty(), "--plan with --batch-schedule: the planner plans one "
+              "fixed layout; drop one of them");
+  TORCH_CHECK(!a["sequence_parallel"].get<bool>(), "--plan with --sequence-parallel: the planner does not model "
+              "Megatron's sequence-parallel variant yet; drop one of them");
+  TORCH_CHECK(a["resume"].get<std::string>().empty() || mode == "flags", "--plan auto with --resume: the plan could "
+              "differ from the checkpoint's layout; give the layout flags and --plan flags");
+  if (mode == "auto")
+    for (const auto& k : tessera_examples::planned_keys()) {
+      std::string flag = "--" + k;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      TORCH_CHECK(!was_given(a, k), flag, " with --plan auto: the planner chooses it; drop ", flag,
+                  " or use --plan flags to have your layout predicted");
+    }
+  // A serial copy on every rank measures the rates (Note [Rates for the planner]).
+  const int world_size = world.size(), rank = world.rank();
+  const bool bf16 = a["precision"] == "bf16";
+  const planner::ModelDesc model = planner::ModelDesc::gpt(cfg, cfg.context);
+  auto self = world.inner()->split(rank, 0, "planner_rates");
+  tessera_examples::MeasuredRates rates;
+  {
+    auto serial_cfg = cfg;
+    serial_cfg.checkpoint_activations = false;  // the planner adds the recompute itself
+    torch::manual_seed(a["seed"].get<int64_t>());
+    auto serial = std::make_shared<tessera::models::GPTImpl>(serial_cfg, tessera::nn::make_1d_factory(self, false, 1, 2));
+    if (bf16) serial->to(at::kBFloat16);
+    auto m = tessera::train::gpt_train_model(serial);
+    if (bf16) {
+      auto inner = m.loss;
+      m.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+    }
+    const int64_t rows = std::max<int64_t>(1, a["batch"].get<int64_t>() / world_size);
+    rates = tessera_examples::measure_rates(model, m, make_optimizer, rows, a["clip"], bf16);
+  }
+  const planner::ClusterDesc cluster = tessera_examples::this_machine(a, world_size, rates);
+  log.print(fmt::format("planner: this machine, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
+                        "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives from {}; overlap {}",
+                        rates.flops / 1e9, 1e3 * rates.block_overhead, rates.optimizer_bytes_s / 1e9,
+                        cluster.compute_units,
+                        a["comm_bench"].get<std::string>().empty() ? a["cluster"].get<std::string>()
+                                                                   : a["comm_bench"].get<std::string>(),
+                        cluster.overlap));
+  planner::Estimate chosen;
+  if (mode == "auto") {
+    planner::SearchOptions o;
+    o.global_batch = a["batch"];
+    o.memory_limit = cluster.memory_bytes;
+    o.bf16 = bf16;
+    o.top = static_cast<int>(a["plan_top"].get<int64_t>());
+    o.offload = true;
+    const planner::SearchResult r = planner::search(model, cluster, o);
+    if (r.best.empty()) {
+      std::string msg = fmt::format("--plan auto: no plan of this GPT fits in {:.4g} GB per rank on {} ranks",
+                                    cluster.memory_bytes / 1e9, world_size);
+      if (!r.over.empty())
+        msg += fmt::format("; the closest, {}, {}", r.over.front().plan.to_string(), r.over.front().why);
+      TORCH_CHECK(false, msg, ". Raise --memory-gb or use more ranks");
+    }
+    log.print(planner::search_report(model, cluster, o, r, false));
+    log.print(planner::search_report(model, cluster, o, r, true));
+    chosen = r.best.front();
+    tessera_examples::apply_plan(chosen.plan, a);
+  } else {
+    const planner::Plan p = tessera_examples::plan_of_flags(a, parallel_config(a), world_size);
+    planner::check_plan(model, p);
+    chosen = planner::estimate(model, p, cluster);
+    log.print(fmt::format("planner: the flags' plan\n{}\n{}{}", chosen.summary(), planner::breakdown(chosen),
+                          chosen.to_json()));
+  }
+  return chosen;
+}
+
 int train(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const auto started = std::chrono::steady_clock::now();
   {
-    const Json a = parse_args(argc, argv);
+    Json a = parse_args(argc, argv);
     TORCH_CHECK(a["precision"] == "fp32" || a["precision"] == "bf16", "--precision must be fp32 or bf16, got '",
                 a["precision"].get<std::string>(), "'");
     const std::string opt_name = a["optimizer"];
@@ -323,11 +418,6 @@ int train(int argc, char** argv) {
 
     auto trace = std::make_shared<tessera::comm::CommTrace>();
     auto world = std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
-    tessera::context::ParallelConfig layout = parallel_config(a);
-    // A fixed layout has one context; an elastic one, one per layout it goes through.
-    auto ctx = elastic ? nullptr : tessera::context::ParallelContext::create(world, layout);
-    const int pp = layout.pipeline();
-    const int64_t micro = a["microbatches"].get<int64_t>() > 0 ? a["microbatches"].get<int64_t>() : 2 * pp;
     tessera::train::MetricsLog log(rank == 0, a["metrics"].get<std::string>());
 
     const Corpus corpus = load_corpus(a["data"]);
@@ -359,24 +449,6 @@ int train(int argc, char** argv) {
                 "--drop-policy must be position or probability, got '", policy, "'");
     cfg.drop_policy = policy == "position" ? tessera::nn::MoEDropPolicy::kPosition
                                            : tessera::nn::MoEDropPolicy::kProbability;
-    // The current layout's model; an elastic trainer builds one per layout.
-    // Elastic dropout is keyed by the row of the global batch, so that the
-    // masks do not depend on the data size (Note [Row-keyed dropout]).
-    std::shared_ptr<tessera::models::GPTImpl> gpt;
-    auto build = [&](const tessera::context::ParallelContextPtr& c) {
-      torch::manual_seed(a["seed"].get<int64_t>());
-      // Refuses, on every rank, the modes whose layers do not exist yet.
-      auto factory = tessera::nn::make_layer_factory(c, a["sequence_parallel"], elastic && cfg.dropout > 0);
-      gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
-      if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
-      auto model = tessera::train::gpt_train_model(gpt);
-      if (a["precision"] == "bf16") {
-        auto inner = model.loss;
-        model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
-      }
-      return model;
-    };
-
     const double lr = a["lr"], wd = a["weight_decay"];
     auto make_optimizer = [&](const std::vector<std::pair<std::string, at::Tensor>>& named) {
       std::shared_ptr<torch::optim::Optimizer> o;
@@ -396,6 +468,35 @@ int train(int argc, char** argv) {
       }
       return o;
     };
+    // --plan: the planner chooses the layout (auto) or predicts the flags' one.
+    const std::string plan_mode = a["plan"];
+    std::optional<tessera::planner::Estimate> predicted;
+    if (!plan_mode.empty()) predicted = plan_run(a, cfg, make_optimizer, *world, log);
+
+    tessera::context::ParallelConfig layout = parallel_config(a);
+    // A fixed layout has one context; an elastic one, one per layout it goes through.
+    auto ctx = elastic ? nullptr : tessera::context::ParallelContext::create(world, layout);
+    const int pp = layout.pipeline();
+    const int64_t micro = a["microbatches"].get<int64_t>() > 0 ? a["microbatches"].get<int64_t>() : 2 * pp;
+
+    // The current layout's model; an elastic trainer builds one per layout.
+    // Elastic dropout is keyed by the row of the global batch, so that the
+    // masks do not depend on the data size (Note [Row-keyed dropout]).
+    std::shared_ptr<tessera::models::GPTImpl> gpt;
+    auto build = [&](const tessera::context::ParallelContextPtr& c) {
+      torch::manual_seed(a["seed"].get<int64_t>());
+      // Refuses, on every rank, the modes whose layers do not exist yet.
+      auto factory = tessera::nn::make_layer_factory(c, a["sequence_parallel"], elastic && cfg.dropout > 0);
+      gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
+      if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
+      auto model = tessera::train::gpt_train_model(gpt);
+      if (a["precision"] == "bf16") {
+        auto inner = model.loss;
+        model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+      }
+      return model;
+    };
+
     const int64_t steps = a["steps"];
     // The heads go with the weights: their shapes do not say (tessera_generate reads them).
     auto checkpoint_metadata = [&](int64_t step) {
@@ -479,6 +580,7 @@ int train(int argc, char** argv) {
     const int64_t eval_every = a["eval_every"], save_every = a["save_every"];
     const std::string save_dir = a["save"];
     double last_loss = 0;
+    std::vector<double> step_seconds;  // for --plan's measured step time
     for (int64_t step = start; step < steps; ++step) {
       const int64_t rows = schedule.at(step);
       const std::string before = el ? el->layout_name() : std::string();
@@ -513,6 +615,7 @@ int train(int argc, char** argv) {
       const double bytes_before = static_cast<double>(trace->total().bytes);
       const auto st = trainer->train_step(local(x), local(y));
       last_loss = st.loss;
+      step_seconds.push_back(st.seconds);
       const double tokens = static_cast<double>(rows * seq), tps = tokens / st.seconds;
       const double mfu = flops_per_token * tps / (peak_flops * active);
       const double state = static_cast<double>(trainer->memory().total());
@@ -552,6 +655,15 @@ int train(int argc, char** argv) {
         trainer->save(fmt::format("{}/step-{:06d}", save_dir, st.step), checkpoint_metadata(st.step));
     }
     if (el) el->finish();
+    if (predicted) {
+      const double measured = tessera_examples::median_step(step_seconds);
+      log.record("plan", {{"predicted_s", predicted->step_s},
+                          {"measured_s", measured},
+                          {"predicted_peak_bytes", predicted->memory.peak()}});
+      log.print(fmt::format("planner: {} | step predicted {:.4g} s, measured {:.4g} s (median after warm-up), "
+                            "measured/predicted {:.2f}",
+                            predicted->plan.to_string(), predicted->step_s, measured, measured / predicted->step_s));
+    }
 
     // The final weights, full, through a checkpoint; rank 0 samples from a serial copy.
     const std::string final_dir = (save_dir.empty() ? std::string("train_gpt_out") : save_dir) + "/final";

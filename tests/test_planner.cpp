@@ -1,9 +1,10 @@
 // The planner's cost model against what really happens: the bytes the
 // tracing communicator records in a training step of the GPT under every
 // sharding preset, pipeline schedule and tensor, sequence and expert mode
-// (each rank against its own prediction), and the model-state memory
-// ShardedOptimizer counts. Run at 1, 2, 4 and 8 ranks; each case runs
-// where its grid fits.
+// (each rank against its own prediction), the model-state memory
+// ShardedOptimizer counts, and the peak memory the counting allocator sees
+// in a step. Run at 1, 2, 4 and 8 ranks; each case runs where its grid fits.
+#include "support/counting_allocator.h"
 #include "support/test_util.h"
 
 #include <tessera/comm/tracing_communicator.h>
@@ -231,6 +232,100 @@ TEST(Planner, BadInputIsRefused) {
   p.micro_batches = 1;
   p.spec = parallel::ShardingSpec::mics(3);
   EXPECT_ANY_THROW(planner::check_plan(model, p));
+}
+
+// Peak memory of a training step, counted by the allocator, against the
+// prediction (states, activations, gathered units): within 15% for GPTs
+// under data, pipeline, tensor and sequence parallelism, with and without
+// activation checkpointing.
+struct MemoryCase {
+  std::string name;
+  ParallelConfig grid;
+  std::string spec = "ddp";
+  int64_t micro_batches = 1;
+  bool checkpoint = false;
+  int64_t layers = 2, hidden = 64, heads = 4, seq = 32, vocab = 101, batch = 16;
+};
+
+TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
+  auto world = test::world();
+  const int n = world->size();
+  const std::vector<MemoryCase> cases = {
+      {"ddp", ParallelConfig()},
+      {"ddp_wide", ParallelConfig(), "ddp", 1, false, 3, 128, 8, 64, 256, 16},
+      {"zero3", ParallelConfig(), "zero3"},
+      {"zero2_checkpointed", ParallelConfig(), "zero2", 1, true},
+      {"ddp_accumulate2", ParallelConfig(), "ddp", 2},
+      {"tp2_1d", ParallelConfig().tensor(2)},
+      {"tp4_2d", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D)},
+      {"pp2_1f1b", ParallelConfig().pipeline(2), "ddp", 4},
+      {"pp2_checkpointed", ParallelConfig().pipeline(2), "ddp", 4, true},
+      {"sp2_ulysses", ParallelConfig().sequence(2)},
+      {"sp2_ring", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kRing)},
+  };
+  int ran = 0;
+  for (const MemoryCase& c : cases) {
+    ParallelConfig resolved;
+    try {
+      resolved = context::resolve(c.grid, n);
+    } catch (const c10::Error&) {
+      continue;
+    }
+    ++ran;
+    models::GPTConfig g;
+    g.vocab = c.vocab;
+    g.context = c.seq;
+    g.layers = c.layers;
+    g.heads = c.heads;
+    g.hidden = c.hidden;
+    g.checkpoint_activations = c.checkpoint;
+    auto& counter = test::CountingAllocator::instance();
+    double peak = 0, states = 0;
+    {
+      test::CountingScope scope;
+      auto ctx = context::ParallelContext::create(world, c.grid);
+      const int dp = ctx->size(ParallelMode::kData), me = ctx->comm(ParallelMode::kData)->rank();
+      const int64_t rows = c.batch / dp;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+      const at::Tensor ids = at::randint(c.vocab, {c.batch, c.seq}, gen, at::kLong);
+      const at::Tensor x = ids.narrow(0, me * rows, rows).clone(), y = ids.roll(-1, 1).narrow(0, me * rows, rows).clone();
+      const int64_t base = counter.live();
+      torch::manual_seed(1);
+      auto gpt = std::make_shared<models::GPTImpl>(g, nn::make_layer_factory(ctx));
+      auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+        std::vector<at::Tensor> params;
+        for (const auto& p : named) params.push_back(p.second);
+        return std::shared_ptr<torch::optim::Optimizer>(std::make_shared<torch::optim::AdamW>(params));
+      };
+      auto options = train::TrainerOptions().spec(parallel::ShardingSpec::parse(c.spec));
+      if (resolved.pipeline() > 1)
+        options.pipeline(parallel::PipelineOptions().microbatches(static_cast<int>(c.micro_batches)));
+      else
+        options.accumulation(c.micro_batches);
+      train::Trainer trainer(ctx, train::gpt_train_model(gpt), make, options);
+      trainer.train_step(x, y);  // the optimizer's states exist from here on
+      counter.reset_peak();
+      trainer.train_step(x, y);
+      peak = static_cast<double>(counter.peak() - base);
+      states = static_cast<double>(counter.live() - base);
+    }
+    planner::Plan plan;
+    plan.grid = resolved;
+    plan.spec = parallel::ShardingSpec::parse(c.spec);
+    plan.global_batch = c.batch;
+    plan.micro_batches = c.micro_batches;
+    plan.checkpoint_activations = c.checkpoint;
+    const planner::MemoryEstimate mem =
+        planner::predict_memory(planner::ModelDesc::gpt(g, c.seq), plan, world->rank());
+    const std::string line = fmt::format(
+        "{} ({}) rank {}: peak measured {:.0f} kB (states and buffers after the step {:.0f} kB, the step's own {:.0f} "
+        "kB); predicted {:.0f} kB (states {:.0f}, activations {:.0f}, buffers {:.0f}): {:+.1f}%",
+        c.name, plan.to_string(), world->rank(), peak / 1e3, states / 1e3, (peak - states) / 1e3, mem.peak() / 1e3,
+        mem.states() / 1e3, mem.activations / 1e3, mem.buffers / 1e3, 100 * (mem.peak() / peak - 1));
+    if (std::getenv("PLANNER_DEBUG")) fmt::print("{}\n", line);
+    EXPECT_LE(std::abs(mem.peak() - peak), 0.15 * peak) << line;
+  }
+  EXPECT_GT(ran, 0);
 }
 
 // The search keeps to the memory limit and to AMSP's placement rules, and

@@ -121,6 +121,12 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
       TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 1, "cluster: '", key,
                   "' must be an integer >= 1, got ", value.dump());
       (key == "nodes" ? c.nodes : c.gpus_per_node) = value.get<int>();
+    } else if (key == "compute_units") {
+      TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0, "cluster: 'compute_units' must be an "
+                  "integer >= 0 (0: one per rank), got ", value.dump());
+      c.compute_units = value.get<int>();
+    } else if (key == "block_overhead_us") {
+      c.block_overhead = number(value, key) * 1e-6;
     } else if (key == "memory_gb") {
       c.memory_bytes = number(value, key) * 1e9;
     } else if (key == "peak_tflops") {
@@ -142,7 +148,7 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
       links_from_json(value, key, c.inter_default, c.inter);
     } else {
       TORCH_CHECK(false, "cluster: unknown key '", key,
-                  "'; expected name, gpus_per_node, nodes, memory_gb, peak_tflops, achieved_tflops, "
+                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, achieved_tflops, "
                   "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, intra, inter");
     }
   }
@@ -151,12 +157,29 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
   return c;
 }
 
-ClusterDesc ClusterDesc::from_json_file(const std::string& path) {
+namespace {
+std::string read_text(const std::string& path) {
   std::ifstream in(path);
   TORCH_CHECK(in, "cluster: cannot read '", path, "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  return from_json(ss.str());
+  return ss.str();
+}
+}  // namespace
+
+double ClusterDesc::solo_rate() const {
+  if (compute_units <= 0 || compute_units >= gpus_per_node) return compute_rate();
+  return compute_rate() * gpus_per_node / compute_units;
+}
+
+ClusterDesc ClusterDesc::from_json_file(const std::string& path) { return from_json(read_text(path)); }
+
+ClusterDesc ClusterDesc::from_comm_bench_file(const std::string& path, ClusterDesc base) {
+  return from_comm_bench(read_text(path), std::move(base));
+}
+
+ClusterDesc ClusterDesc::load(const std::string& preset_or_file) {
+  return preset_or_file.find(".json") != std::string::npos ? from_json_file(preset_or_file) : preset(preset_or_file);
 }
 
 ClusterDesc ClusterDesc::from_comm_bench(const std::string& jsonl, ClusterDesc base) {
@@ -233,6 +256,8 @@ std::string ClusterDesc::to_json() const {
   Json j{{"name", name},
          {"gpus_per_node", gpus_per_node},
          {"nodes", nodes},
+         {"compute_units", compute_units},
+         {"block_overhead_us", block_overhead * 1e6},
          {"memory_gb", memory_bytes / 1e9},
          {"peak_tflops", peak_flops / 1e12},
          {"achieved_tflops", compute_rate() / 1e12},

@@ -12,6 +12,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <vector>
 
 namespace tessera {
 namespace planner {
@@ -80,61 +81,88 @@ Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& c
     est.why = fmt::format("needs {:.2f} GB per rank, over the {:.2f} GB limit", est.memory.peak() / 1e9, limit / 1e9);
   }
   const double m = static_cast<double>(plan.micro_batches);
-  // The slowest pipeline rank sets the step.
+  // Each pipeline rank's figures; the slowest sets the step.
+  struct PerRank {
+    Traffic traffic;
+    std::map<std::string, double> comm;
+    double compute = 0, makespan = 0, bubble = 0, busy = 0, exposed = 0;
+  };
+  std::vector<PerRank> ranks(c.pipeline());
   for (int pp_rank = 0; pp_rank < c.pipeline(); ++pp_rank) {
+    PerRank& r = ranks[pp_rank];
     std::array<int, context::kNumDims> coords{};
     coords[static_cast<int>(context::Dim::kPipeline)] = pp_rank;
     const int rank = grid.global_rank_at(coords);
-    Traffic traffic = predict_traffic(model, plan, rank);
-    place(traffic, plan, cluster.gpus_per_node, rank);
+    r.traffic = predict_traffic(model, plan, rank);
+    place(r.traffic, plan, cluster.gpus_per_node, rank);
     double fwd_flops = 0;
     const auto stages = stages_of(model, plan, pp_rank);
     for (const auto& st : stages) fwd_flops += stage_forward_flops(model, plan, st);
-    const double chunk_fwd = fwd_flops / stages.size() / cluster.compute_rate();
-    std::map<std::string, double> comm;
+    const double chunks = static_cast<double>(stages.size());
     double blocking_mb = 0, data_overlapped = 0, data_blocking = 0, message = 0;
-    for (const Collective& x : traffic.items()) {
+    for (const Collective& x : r.traffic.items()) {
       const double t = cluster.seconds(x.op, x.size, x.calls, x.bus_bytes, x.nodes, x.per_node);
-      comm[x.component] += t;
+      r.comm[x.component] += t;
       if (x.component == "pipeline") {
         if (x.op == comm::OpType::kSend) message += t / x.calls;
         else if (x.op == comm::OpType::kAllReduce) data_blocking += t;  // the tied embedding, after the schedule
       } else if (x.component == "tensor" || x.component == "sequence" || x.component == "expert") {
-        blocking_mb += t / m / stages.size();
+        blocking_mb += t / m / chunks;
       } else if (x.overlapped) {
         data_overlapped += t;
       } else {
         data_blocking += t;
       }
     }
-    // Blocking layer traffic: a third in forward, two thirds in backward.
+    // The schedule at the rate a rank has alone (Note [Shared compute]);
+    // blocking layer traffic a third in forward, two thirds in backward.
+    int64_t blocks = 0;
+    for (const auto& st : stages) blocks += st.blocks;
+    const double overhead = cluster.block_overhead * static_cast<double>(blocks) / chunks;  // per chunk, fwd + bwd
+    const double solo = cluster.compute_rate() / cluster.solo_rate();
+    const double chunk_fwd = (fwd_flops / chunks / cluster.compute_rate() + overhead / 3) * solo;
     parallel::ActionCosts costs;
     costs.forward = chunk_fwd + blocking_mb / 3;
     costs.backward = 2 * chunk_fwd + (plan.checkpoint_activations ? chunk_fwd : 0) + 2 * blocking_mb / 3;
     costs.backward_input = costs.backward / 2;
     costs.backward_weight = costs.backward / 2;
     costs.message = message;
-    double makespan = 0, bubble = 0;
     if (c.pipeline() > 1) {
       const auto sim = parallel::simulate(
           parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks),
           costs);
-      makespan = sim.makespan;
-      bubble = sim.bubble;
+      r.makespan = sim.makespan;
+      r.bubble = sim.bubble;
     } else {
-      makespan = m * (costs.forward + costs.backward);
+      r.makespan = m * (costs.forward + costs.backward);
     }
-    const double compute = m * stages.size() * (3 * chunk_fwd + (plan.checkpoint_activations ? chunk_fwd : 0));
-    const double hidden = cluster.overlap * std::min(data_overlapped, compute);
-    const double exposed = data_overlapped - hidden + data_blocking;
-    if (pp_rank == 0 || makespan + exposed > est.pipeline_s + est.data_exposed_s) {
-      est.traffic = traffic;
-      est.compute_s = compute;
-      est.pipeline_s = makespan;
-      est.bubble = bubble;
-      est.comm_s = comm;
-      est.data_exposed_s = exposed;
-    }
+    const double passes = 3 + (plan.checkpoint_activations ? 1 : 0);
+    r.compute = m * passes * (fwd_flops / cluster.compute_rate() + cluster.block_overhead * blocks / 3);
+    r.busy = r.compute + m * chunks * blocking_mb;
+    const double hidden = cluster.overlap * std::min(data_overlapped, r.compute);
+    r.exposed = data_overlapped - hidden + data_blocking;
+  }
+  // Note [Shared compute]
+  // When the ranks of a node share fewer compute units than they are (CPU
+  // ranks on fewer cores), a rank that waits in the pipeline's bubble
+  // leaves its share to the others: the schedule runs at the rate a rank
+  // has alone, but the node cannot finish before all of its ranks' work has
+  // run at the node's whole rate. The mean rank's compute at the rate every
+  // rank has while all compute is that bound; it adds nothing when each rank
+  // has a unit of its own (GPUs), since then the schedule takes longer.
+  double node_bound = 0;
+  for (const PerRank& r : ranks) node_bound += r.busy / static_cast<double>(ranks.size());
+  double slowest = -1;
+  for (const PerRank& r : ranks) {
+    const double pipeline = std::max(r.makespan, node_bound);
+    if (pipeline + r.exposed <= slowest) continue;
+    slowest = pipeline + r.exposed;
+    est.traffic = r.traffic;
+    est.compute_s = r.compute;
+    est.pipeline_s = pipeline;
+    est.bubble = r.bubble;
+    est.comm_s = r.comm;
+    est.data_exposed_s = r.exposed;
   }
   // The optimizer reads and writes its states, masters, gradient and
   // parameter shards once; offloaded, it runs on the host and the gradient

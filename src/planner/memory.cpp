@@ -22,7 +22,8 @@ namespace planner {
 // at a time is rebuilt in backward. MoE blocks keep top_k times the MLP
 // part. This follows Korthikanti et al. 2022 in shape; the coefficients are
 // tessera's (LibTorch's saved tensors), checked against the counting
-// allocator (docs/planner.md).
+// allocator (docs/planner.md). The head's and the embedding's tensors are
+// added per micro-batch in flight on the stages that hold them.
 double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   if (model.opaque()) return 0;
   const auto& c = plan.grid;
@@ -68,20 +69,31 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
     m.inflight = sim.peak_inflight[pp_rank];
   }
   const double per_chunk_blocks = static_cast<double>(blocks) / stages.size();
+  const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
   if (plan.checkpoint_activations) {
-    const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
     const double kept = tokens * model.hidden() * e / (c.tensor_mode() == context::TensorMode::k1D ? 1 : c.tensor());
     m.activations = m.inflight * per_chunk_blocks * kept + per_block;
   } else {
     m.activations = m.inflight * per_chunk_blocks * per_block;
   }
+  // The ends of the model, per micro-batch in flight (Note [Activation
+  // memory]): the head's logits, their log-probabilities and gradient
+  // (3 · V per token, V split over the tensor group), the embedding's
+  // output and its gradient (2h).
+  for (const auto& st : stages) {
+    if (st.head) m.activations += m.inflight * tokens * 3.0 * model.vocab() / c.tensor() * e;
+    if (st.embed) m.activations += m.inflight * tokens * 2.0 * model.hidden() / c.tensor() * e;
+  }
   // Gathered parameters: the unit in use and the prefetched one (a block
-  // each); full-size gradients of the stage until its reduction under a
-  // pipeline.
+  // each). Sharded gradients exist full-size until their bucket is reduced;
+  // a pipeline stage keeps one stage-sized gradient buffer beside them
+  // (measured: docs/planner.md).
   const parallel::ShardDegrees d = plan.spec.resolve(c.data() * (c.sequence() > 1 ? c.sequence() : 1));
-  const double unit = blocks > 0 ? (lp.dense + lp.expert) / std::max<int64_t>(blocks, 1) : lp.dense + lp.expert;
+  const double local = lp.dense + lp.expert;
+  const double unit = blocks > 0 ? local / std::max<int64_t>(blocks, 1) : local;
   if (d.params > 1) m.buffers += 2 * e * unit;
-  if (c.pipeline() > 1 && d.grads > 1) m.buffers += e * (lp.dense + lp.expert) * (1 - 1.0 / d.grads);
+  if (c.pipeline() > 1) m.buffers += e * local;
+  else if (d.grads > 1) m.buffers += e * local * (1 - 1.0 / d.grads);
   return m;
 }
 

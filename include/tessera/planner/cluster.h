@@ -34,9 +34,16 @@ struct ClusterDesc {
   std::string name = "cluster";
   int gpus_per_node = 8;  // ranks per node
   int nodes = 1;
+  // What the ranks of a node compute on, when they share it (Note [Shared
+  // compute] in estimate.cpp): CPU ranks on fewer cores. 0: one per rank.
+  int compute_units = 0;
   double memory_bytes = 80e9;    // per rank
   double peak_flops = 312e12;    // per rank, for MFU
-  double achieved_flops = 0;     // what the model's matmuls reach per rank; 0: peak_flops
+  double achieved_flops = 0;     // what the model reaches per rank, all ranks at once; 0: peak_flops
+  // Seconds per block and micro-batch (forward and backward) that do not
+  // shrink with the micro-batch or the tensor split: operator dispatch and
+  // kernel launches. Measured with the rate (train_gpt --plan); 0: none.
+  double block_overhead = 0;
   double memory_bandwidth = 2e12;  // per rank, bytes per second (optimizer step)
   double host_bandwidth = 25e9;  // per rank, device <-> host (offload)
   double host_flops = 0;         // per rank, the CPU optimizer step under offload (bytes/s of states); 0: memory_bandwidth
@@ -49,7 +56,10 @@ struct ClusterDesc {
   std::map<comm::OpType, Link> intra, inter;
 
   int world() const { return gpus_per_node * nodes; }
+  // A rank's rate while every rank of its node computes.
   double compute_rate() const { return achieved_flops > 0 ? achieved_flops : peak_flops; }
+  // A rank's rate while it computes alone (ranks per unit times the above).
+  double solo_rate() const;
   const Link& link(comm::OpType op, bool across_nodes) const;
   // Seconds of `calls` calls that put `bus_bytes` on the wire from one rank,
   // over a group with `per_node` of its ranks in each node it spans (Note
@@ -70,10 +80,13 @@ struct ClusterDesc {
   // operation, the bus bandwidth of its largest size, and the time of its
   // smallest over latency_steps as the latency per step.
   static ClusterDesc from_comm_bench(const std::string& jsonl, ClusterDesc base);
+  static ClusterDesc from_comm_bench_file(const std::string& path, ClusterDesc base);
   // "a800-amsp": AMSP's cluster (128 nodes × 8 A800-80GB, NVLink 400 GB/s,
   // 4 × 200 Gb/s HDR InfiniBand per node); "h100-1024": 128 nodes × 8
   // H100-80GB SXM (NVLink 900 GB/s, 8 × 400 Gb/s NDR per node).
   static ClusterDesc preset(const std::string& name);
+  // A file when the name ends in .json, else a preset.
+  static ClusterDesc load(const std::string& preset_or_file);
   std::string to_json() const;
 };
 
