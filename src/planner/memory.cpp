@@ -92,6 +92,10 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   const double local = lp.dense + lp.expert;
   const double unit = blocks > 0 ? local / std::max<int64_t>(blocks, 1) : local;
   if (d.params > 1) m.buffers += 2 * e * unit;
+  // 2D/2.5D/3D matmuls receive panels by broadcast: in backward, an
+  // activation panel and a gradient panel of the widest (MLP) matmul.
+  if (c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D)
+    m.buffers += 2 * tokens * model.ffn_width() / c.tensor() * e;
   if (c.pipeline() > 1) m.buffers += e * local;
   else if (d.grads > 1) m.buffers += e * local * (1 - 1.0 / d.grads);
   return m;

@@ -1,5 +1,7 @@
 #include "tessera/planner/model_desc.h"
 
+#include "tessera/core/compat.h"
+
 #include "tessera/models/gpt.h"
 
 #include <c10/util/Exception.h>
@@ -84,7 +86,12 @@ ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
       .tied(config.tied)
       .experts(config.experts)
       .moe_every(config.moe_every)
-      .top_k(config.top_k);
+      .top_k(config.top_k)
+      // Note [Fused attention] in src/nn/attention.cpp: LibTorch 2 runs
+      // tessera's attention fused when it drops nothing (except bf16 on
+      // CPU, which the planner does not tell apart: it counts the scores
+      // as not kept there too).
+      .fused_attention(TESSERA_TORCH_VERSION_AT_LEAST(2, 0) && config.dropout == 0);
 }
 
 ModelDesc ModelDesc::preset(const std::string& name, int64_t seq) {

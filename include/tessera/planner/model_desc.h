@@ -42,7 +42,8 @@ struct ModelDesc {
   TORCH_ARG(int64_t, moe_every) = 1;
   TORCH_ARG(int64_t, top_k) = 1;
   // Attention that keeps no [heads, s, s] scores for backward (FlashAttention).
-  // tessera's attention keeps them; this describes other systems' models.
+  // gpt() sets it as tessera's attention runs: fused on LibTorch 2 without
+  // dropout, explicit (scores kept) on 1.13 or with dropout.
   TORCH_ARG(bool, fused_attention) = false;
   // A module seen only from outside (from_module): its parameter count, and
   // what the user tells of a row's work and activations (0: unknown).
