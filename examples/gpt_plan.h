@@ -19,6 +19,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace tessera_examples {
@@ -74,6 +75,12 @@ inline void apply_plan(const tessera::planner::Plan& p, nlohmann::json& a) {
   a["offload"] = p.offload ? "optimizer" : "none";
 }
 
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 // The mean over ranks of a time each rank measured while all ran at once.
 inline double mean_over_ranks(double seconds) {
   int size = 1;
@@ -114,10 +121,8 @@ inline MeasuredRates measure_rates(const tessera::planner::ModelDesc& model, tes
     numel += p.value().numel();
   }
   auto optimizer = make_optimizer(params);
-  auto median = [](std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params) tensors.push_back(p.second);
   // Forward + backward at `n` rows, and the optimizer step after it.
   auto time_pass = [&](int64_t n, std::vector<double>* opt) {
     const at::Tensor x = at::randint(model.vocab(), {n, model.seq()}, at::kLong);
@@ -129,9 +134,7 @@ inline MeasuredRates measure_rates(const tessera::planner::ModelDesc& model, tes
       optimizer->zero_grad();
       serial.loss(serial.layers->forward(x), y).backward();
       const auto t1 = Clock::now();
-      std::vector<at::Tensor> grads;
-      for (const auto& p : params) grads.push_back(p.second);
-      if (clip > 0) tessera::parallel::clip_grad_norm(grads, clip);
+      if (clip > 0) tessera::parallel::clip_grad_norm(tensors, clip);
       optimizer->step();
       const auto t2 = Clock::now();
       if (i < 2) continue;  // warm-up
@@ -158,7 +161,8 @@ inline MeasuredRates measure_rates(const tessera::planner::ModelDesc& model, tes
 
 // This machine as the planner sees it: one node of `world` ranks, the
 // collectives from comm_bench's lines, the rates measured above.
-inline tessera::planner::ClusterDesc this_machine(const nlohmann::json& a, int world, const MeasuredRates& rates) {
+inline tessera::planner::ClusterDesc this_machine(const nlohmann::json& a, bool overlap_given, int world,
+                                                  const MeasuredRates& rates) {
   tessera::planner::ClusterDesc c;
   const std::string base = a["cluster"];
   if (!base.empty()) c = tessera::planner::ClusterDesc::load(base);
@@ -166,9 +170,6 @@ inline tessera::planner::ClusterDesc this_machine(const nlohmann::json& a, int w
   c.nodes = 1;
   c.gpus_per_node = world;
   const std::string bench = a["comm_bench"];
-  TORCH_CHECK(!bench.empty() || !base.empty(),
-              "--plan needs the collectives' rates: --comm-bench FILE (mpirun -np ", world,
-              " comm_bench --json > FILE, on these ranks) or --cluster PRESET|FILE.json");
   if (!bench.empty()) c = tessera::planner::ClusterDesc::from_comm_bench_file(bench, c);
   // CPU ranks share this machine's cores (Note [Shared compute] in src/planner/estimate.cpp).
   c.compute_units = static_cast<int>(std::thread::hardware_concurrency());
@@ -178,18 +179,17 @@ inline tessera::planner::ClusterDesc this_machine(const nlohmann::json& a, int w
   c.memory_bandwidth = rates.optimizer_bytes_s;
   c.host_flops = rates.optimizer_bytes_s;  // the optimizer runs on this host either way
   if (a["memory_gb"].get<double>() > 0) c.memory_bytes = a["memory_gb"].get<double>() * 1e9;
+  // --overlap, else the --cluster description's, else none (CPU ranks: docs/planner.md).
   const double overlap = a["overlap"];
   TORCH_CHECK(overlap >= 0 && overlap <= 1, "--overlap is a fraction in [0, 1], got ", overlap);
-  c.overlap = overlap;
+  if (overlap_given || base.empty()) c.overlap = overlap;
   return c;
 }
 
 // The median of the step times after the first quarter (warm-up).
 inline double median_step(std::vector<double> seconds) {
-  if (seconds.empty()) return 0;
   seconds.erase(seconds.begin(), seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 4));
-  std::nth_element(seconds.begin(), seconds.begin() + seconds.size() / 2, seconds.end());
-  return seconds[seconds.size() / 2];
+  return median(std::move(seconds));
 }
 
 }  // namespace tessera_examples

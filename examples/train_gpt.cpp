@@ -300,6 +300,17 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} kB", b / 1e3);
 }
 
+// The GPT as the trainer takes it; in bf16 the loss is taken in fp32.
+tessera::train::TrainModel train_model(const std::shared_ptr<tessera::models::GPTImpl>& gpt, bool bf16) {
+  if (bf16) gpt->to(at::kBFloat16);
+  auto model = tessera::train::gpt_train_model(gpt);
+  if (bf16) {
+    auto inner = model.loss;
+    model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+  }
+  return model;
+}
+
 // --plan auto|flags: measures this machine's rates, then either searches
 // for the fastest plan that fits --memory-gb and writes it into the flags,
 // or predicts the plan the flags give. Prints the report on rank 0.
@@ -316,6 +327,9 @@ tessera::planner::Estimate plan_run(Json& a, const tessera::models::GPTConfig& c
               "Megatron's sequence-parallel variant yet; drop one of them");
   TORCH_CHECK(a["resume"].get<std::string>().empty() || mode == "flags", "--plan auto with --resume: the plan could "
               "differ from the checkpoint's layout; give the layout flags and --plan flags");
+  TORCH_CHECK(!a["comm_bench"].get<std::string>().empty() || !a["cluster"].get<std::string>().empty(),
+              "--plan needs the collectives' rates: --comm-bench FILE (mpirun -np ", world.size(),
+              " comm_bench --json > FILE, on these ranks) or --cluster PRESET|FILE.json");
   if (mode == "auto")
     for (const auto& k : tessera_examples::planned_keys()) {
       std::string flag = "--" + k;
@@ -323,6 +337,18 @@ tessera::planner::Estimate plan_run(Json& a, const tessera::models::GPTConfig& c
       TORCH_CHECK(!was_given(a, k), flag, " with --plan auto: the planner chooses it; drop ", flag,
                   " or use --plan flags to have your layout predicted");
     }
+  {
+    MPI_Comm host = MPI_COMM_NULL;
+    int on_host = 0;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host);
+    MPI_Comm_size(host, &on_host);
+    MPI_Comm_free(&host);
+    int fewest = on_host;
+    MPI_Allreduce(MPI_IN_PLACE, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    TORCH_CHECK(fewest == world.size(), "--plan describes this machine, but the ", world.size(),
+                " ranks span more than one host (", fewest, " on the smallest); plan a cluster with tessera_plan "
+                "--cluster FILE.json and give train_gpt its layout flags");
+  }
   // A serial copy on every rank measures the rates (Note [Rates for the planner]).
   const int world_size = world.size(), rank = world.rank();
   const bool bf16 = a["precision"] == "bf16";
@@ -334,16 +360,11 @@ tessera::planner::Estimate plan_run(Json& a, const tessera::models::GPTConfig& c
     serial_cfg.checkpoint_activations = false;  // the planner adds the recompute itself
     torch::manual_seed(a["seed"].get<int64_t>());
     auto serial = std::make_shared<tessera::models::GPTImpl>(serial_cfg, tessera::nn::make_1d_factory(self, false, 1, 2));
-    if (bf16) serial->to(at::kBFloat16);
-    auto m = tessera::train::gpt_train_model(serial);
-    if (bf16) {
-      auto inner = m.loss;
-      m.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
-    }
+    auto m = train_model(serial, bf16);
     const int64_t rows = std::max<int64_t>(1, a["batch"].get<int64_t>() / world_size);
     rates = tessera_examples::measure_rates(model, m, make_optimizer, rows, a["clip"], bf16);
   }
-  const planner::ClusterDesc cluster = tessera_examples::this_machine(a, world_size, rates);
+  const planner::ClusterDesc cluster = tessera_examples::this_machine(a, was_given(a, "overlap"), world_size, rates);
   log.print(fmt::format("planner: this machine, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
                         "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives from {}; overlap {}",
                         rates.flops / 1e9, 1e3 * rates.block_overhead, rates.optimizer_bytes_s / 1e9,
@@ -392,7 +413,8 @@ int train(int argc, char** argv) {
     const std::string opt_name = a["optimizer"];
     TORCH_CHECK(opt_name == "adamw" || opt_name == "lamb" || opt_name == "lars" || opt_name == "sgd",
                 "--optimizer must be adamw, lamb, lars or sgd, got '", opt_name, "'");
-    const std::string offload = a["offload"], offload_dir = a["offload_dir"];
+    std::string offload = a["offload"];  // --plan auto may choose it
+    const std::string offload_dir = a["offload_dir"];
     TORCH_CHECK(offload == "none" || offload == "optimizer" || offload == "optimizer:disk",
                 "--offload must be none, optimizer (CPU memory) or optimizer:disk, got '", offload,
                 "'; parameter shards are not offloaded to disk yet (docs/offload.md)");
@@ -413,6 +435,13 @@ int train(int argc, char** argv) {
     } else {
       TORCH_CHECK(!was_given(a, "min_rows_per_replica"), "--min-rows-per-replica is only read with --batch-schedule");
     }
+    for (const char* k : {"cluster", "comm_bench", "memory_gb", "overlap", "plan_top"}) {
+      std::string flag = std::string("--") + k;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      TORCH_CHECK(!was_given(a, k) || !a["plan"].get<std::string>().empty(), flag,
+                  " is only read with --plan auto|flags");
+    }
+    TORCH_CHECK(!was_given(a, "plan_top") || a["plan"] == "auto", "--plan-top is only read with --plan auto");
     const auto schedule = elastic ? tessera::train::BatchSchedule::parse(a["batch_schedule"])
                                   : tessera::train::BatchSchedule::constant(a["batch"]);
 
@@ -471,7 +500,12 @@ int train(int argc, char** argv) {
     // --plan: the planner chooses the layout (auto) or predicts the flags' one.
     const std::string plan_mode = a["plan"];
     std::optional<tessera::planner::Estimate> predicted;
-    if (!plan_mode.empty()) predicted = plan_run(a, cfg, make_optimizer, *world, log);
+    if (!plan_mode.empty()) {
+      predicted = plan_run(a, cfg, make_optimizer, *world, log);
+      // What the plan chose beside the grid, spec and micro-batches (read below).
+      cfg.checkpoint_activations = a["checkpoint_activations"];
+      offload = a["offload"].get<std::string>();
+    }
 
     tessera::context::ParallelConfig layout = parallel_config(a);
     // A fixed layout has one context; an elastic one, one per layout it goes through.
@@ -488,13 +522,7 @@ int train(int argc, char** argv) {
       // Refuses, on every rank, the modes whose layers do not exist yet.
       auto factory = tessera::nn::make_layer_factory(c, a["sequence_parallel"], elastic && cfg.dropout > 0);
       gpt = std::make_shared<tessera::models::GPTImpl>(cfg, factory);
-      if (a["precision"] == "bf16") gpt->to(at::kBFloat16);
-      auto model = tessera::train::gpt_train_model(gpt);
-      if (a["precision"] == "bf16") {
-        auto inner = model.loss;
-        model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
-      }
-      return model;
+      return train_model(gpt, a["precision"] == "bf16");
     };
 
     const int64_t steps = a["steps"];
@@ -566,12 +594,13 @@ int train(int argc, char** argv) {
     const double peak_flops = tessera::train::measured_matmul_flops();
     log.print(fmt::format(
         "train_gpt: {} | corpus {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, {:.2f} M "
-        "parameters | spec {} | {} | {} | {} steps of {} x {} tokens",
+        "parameters | spec {}{}{} | {} | {} | {} steps of {} x {} tokens",
         elastic ? fmt::format("elastic over {} ranks, {}, data size from the batch (>= {} rows per replica)",
                               world->size(), el->layout_name(), a["min_rows_per_replica"].get<int64_t>())
                 : tessera::context::to_string(ctx->config()),
         corpus.source, n, corpus.vocab, cfg.layers, cfg.hidden, cfg.heads, parameters / 1e6,
-        a["spec"].get<std::string>(),
+        a["spec"].get<std::string>(), cfg.checkpoint_activations ? ", activation checkpointing" : "",
+        offload != "none" ? ", offload " + offload : std::string(),
         pp > 1 ? fmt::format("schedule {} x {} micro-batches", a["schedule"].get<std::string>(), micro)
                : std::string("no pipeline"),
         opt_name, steps, elastic ? "(" + schedule.to_string() + ")" : std::to_string(schedule.at(0)), seq));
