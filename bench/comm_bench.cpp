@@ -5,10 +5,9 @@
 // run, on the same buffers, interleaved with tessera's in rounds (alternating
 // which goes first) so that drift and noise hit both alike.
 //
-//   mpirun -np 4 comm_bench [--json] [--ops all_reduce,all_gather,...]
-//       [--min-bytes 8] [--max-bytes 64M] [--factor 2] [--rounds 41]
-//       [--round-ms 10]
-//       [--dtype float32|float64|int32|int64]
+//   mpirun -np 4 comm_bench --json --ops all_reduce,all_gather --max-bytes 64M
+//
+// Every option and its default: comm_bench --help (docs/cli.md).
 //
 // Note [Bus bandwidth]
 // algbw = bytes / time, with bytes the nccl-tests "size" of the operation
@@ -19,6 +18,7 @@
 // median over rounds. ratio = tessera busbw / MPI busbw, as the median over
 // rounds of the ratio within each round's back-to-back pair.
 #include "bench_util.h"
+#include "example_main.h"
 
 #include <tessera/tessera.h>
 
@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -49,55 +50,53 @@ struct Args {
   int warmup = 3;
   double round_ms = 10;  // target duration of one timed round
   std::string dtype = "float32";
-  std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"};
+  std::string ops = "all_reduce,all_gather,reduce_scatter,broadcast,reduce,all_to_all";
 };
 
-int64_t parse_bytes(const std::string& s) {
-  TORCH_CHECK(!s.empty(), "empty size");
+// "64M" -> 64 << 20: an integer with an optional K, M or G (powers of 1024),
+// the value of `flag`.
+int64_t parse_bytes(const std::string& s, const std::string& flag) {
   int64_t mult = 1;
   std::string digits = s;
-  const char last = s.back();
+  const char last = s.empty() ? '\0' : s.back();
   if (last == 'K' || last == 'k') mult = 1 << 10;
   if (last == 'M' || last == 'm') mult = 1 << 20;
   if (last == 'G' || last == 'g') mult = int64_t{1} << 30;
   if (mult != 1) digits.pop_back();
+  const bool digits_only =
+      !digits.empty() && digits.size() <= 18 && digits.find_first_not_of("0123456789") == std::string::npos;
+  TORCH_CHECK(digits_only && std::stoll(digits) <= std::numeric_limits<int64_t>::max() / mult, flag,
+              " takes a size: an integer with an optional K, M or G (powers of 1024), e.g. 8 or 64M; got '", s, "'");
   return std::stoll(digits) * mult;
 }
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i];
-    auto next = [&]() -> std::string {
-      TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value");
-      return argv[++i];
-    };
-    if (f == "--json")
-      a.json = true;
-    else if (f == "--min-bytes")
-      a.min_bytes = parse_bytes(next());
-    else if (f == "--max-bytes")
-      a.max_bytes = parse_bytes(next());
-    else if (f == "--factor")
-      a.factor = std::stoi(next());
-    else if (f == "--rounds")
-      a.rounds = std::stoi(next());
-    else if (f == "--warmup")
-      a.warmup = std::stoi(next());
-    else if (f == "--round-ms")
-      a.round_ms = std::stod(next());
-    else if (f == "--dtype")
-      a.dtype = next();
-    else if (f == "--ops") {
-      a.ops.clear();
-      std::stringstream ss(next());
-      for (std::string op; std::getline(ss, op, ',');) a.ops.push_back(op);
-    } else
-      TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of bench/comm_bench.cpp");
-  }
-  TORCH_CHECK(a.factor >= 2 && a.rounds >= 1 && a.min_bytes >= 1 && a.max_bytes >= a.min_bytes,
-              "need --factor >= 2, --rounds >= 1 and 1 <= --min-bytes <= --max-bytes");
-  return a;
+// The inverse of parse_bytes, for --help: 67108864 -> "64M".
+std::string show_bytes(int64_t bytes) {
+  if (bytes > 0 && bytes % (int64_t{1} << 30) == 0) return std::to_string(bytes >> 30) + "G";
+  if (bytes > 0 && bytes % (int64_t{1} << 20) == 0) return std::to_string(bytes >> 20) + "M";
+  if (bytes > 0 && bytes % (int64_t{1} << 10) == 0) return std::to_string(bytes >> 10) + "K";
+  return std::to_string(bytes);
+}
+
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("comm_bench",
+                          "bus bandwidth of every collective over message sizes against raw MPI (nccl-tests' "
+                          "algbw/busbw)");
+  c.group("Sizes");
+  c.add("min-bytes", &a.min_bytes, "smallest message, e.g. 8 or 4K (K, M, G: powers of 1024)", "SIZE",
+        [](const std::string& t) { return parse_bytes(t, "--min-bytes"); }, show_bytes);
+  c.add("max-bytes", &a.max_bytes, "largest message, e.g. 64M (K, M, G: powers of 1024)", "SIZE",
+        [](const std::string& t) { return parse_bytes(t, "--max-bytes"); }, show_bytes);
+  c.add("factor", &a.factor, "each size is the previous one times this");
+  c.add("dtype", &a.dtype, "element type of the buffers", {"float32", "float64", "int32", "int64"});
+  c.add("ops", &a.ops, "collectives to time, comma-separated");
+  c.group("Timing");
+  c.add("rounds", &a.rounds, "timed rounds per size; the median is reported");
+  c.add("warmup", &a.warmup, "untimed calls of each side before the rounds");
+  c.add("round-ms", &a.round_ms, "target duration of one timed round in milliseconds (sets the iterations)");
+  c.group("Output");
+  c.add("json", &a.json, "one JSON object per line instead of the table");
+  return c;
 }
 
 MPI_Datatype mpi_type(c10::ScalarType t) {
@@ -233,69 +232,78 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+int run(const Args& args) {
+  TORCH_CHECK(args.factor >= 2 && args.rounds >= 1 && args.min_bytes >= 1 && args.max_bytes >= args.min_bytes,
+              "need --factor >= 2, --rounds >= 1 and 1 <= --min-bytes <= --max-bytes");
+  std::vector<std::string> ops;
+  std::stringstream listed(args.ops);
+  for (std::string op; std::getline(listed, op, ',');) ops.push_back(op);
+  const c10::ScalarType dtype = tessera::dtype_from_name(args.dtype);
+  auto comm = MpiCommunicator::world();
+  MPI_Comm raw;
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+  const int n = comm->size(), rank = comm->rank();
+  const int64_t esize = c10::elementSize(dtype);
+  if (rank == 0 && !args.json) {
+    fmt::print("# comm_bench: {} ranks, dtype {}, {} rounds, tessera {} (LibTorch {})\n", n, args.dtype, args.rounds,
+               TESSERA_VERSION, tessera::torch_version_string());
+    fmt::print("# {:<15}{:>12}{:>12}{:>11}{:>11}{:>9}{:>12}{:>11}{:>9}\n", "op", "bytes", "time_us", "algbw", "busbw",
+               "#wrong", "mpi_us", "mpi_busbw", "ratio");
+  }
+  for (const auto& op : ops) {
+    for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.factor) {
+      int64_t count = std::max<int64_t>(bytes / esize, 1);
+      if (op != "all_reduce" && op != "broadcast" && op != "reduce") count = std::max<int64_t>(count / n * n, n);
+      Bench b = make_bench(op, count, dtype, *comm, raw);
+      // Calibrate: enough iterations for --round-ms per round, at least 1.
+      for (int i = 0; i < args.warmup; ++i) {
+        b.tessera_call();
+        b.mpi_call();
+      }
+      const double one = time_calls(b.tessera_call, 1, raw);
+      const int iters = static_cast<int>(std::clamp(args.round_ms * 1e-3 / std::max(one, 1e-7), 1.0, 2000.0));
+      std::vector<double> ours, theirs;
+      // Which of the two goes first alternates, so neither profits from
+      // always following the other (warm caches, a neighbour's timing).
+      for (int round = 0; round < args.rounds; ++round) {
+        if (round % 2 == 0) ours.push_back(time_calls(b.tessera_call, iters, raw));
+        theirs.push_back(time_calls(b.mpi_call, iters, raw));
+        if (round % 2 == 1) ours.push_back(time_calls(b.tessera_call, iters, raw));
+      }
+      int64_t wrong = b.count_wrong(), total_wrong = 0;
+      MPI_Allreduce(&wrong, &total_wrong, 1, MPI_INT64_T, MPI_SUM, raw);
+      // The ratio is the median of per-round ratios: each round's pair ran
+      // back to back, so slow drift of the machine cancels within a pair.
+      std::vector<double> paired;
+      for (int round = 0; round < args.rounds; ++round) paired.push_back(theirs[round] / ours[round]);
+      const double ratio = median(paired);
+      const double t = median(ours), tb = median(theirs);
+      const double algbw = b.bytes / t / 1e9, busbw = algbw * b.bus_factor;
+      const double base_busbw = b.bytes / tb / 1e9 * b.bus_factor;
+      if (rank != 0) continue;
+      if (args.json) {
+        fmt::print(
+            "{{\"op\": \"{}\", \"bytes\": {}, \"dtype\": \"{}\", \"ranks\": {}, \"iters\": {}, \"rounds\": {}, "
+            "\"time_us\": {:.3f}, \"algbw_gbps\": {:.4f}, \"busbw_gbps\": {:.4f}, "
+            "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
+            "\"wrong\": {}}}\n",
+            op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw, ratio,
+            total_wrong);
+      } else {
+        fmt::print("  {:<15}{:>12}{:>12.2f}{:>11.3f}{:>11.3f}{:>9}{:>12.2f}{:>11.3f}{:>9.3f}\n", op, b.bytes, t * 1e6,
+                   algbw, busbw, total_wrong, tb * 1e6, base_busbw, ratio);
+      }
+      std::fflush(stdout);
+    }
+  }
+  MPI_Comm_free(&raw);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "comm_bench", [&](int rank) {
-    const Args args = parse(argc, argv);
-    const c10::ScalarType dtype = tessera::dtype_from_name(args.dtype);
-    auto comm = MpiCommunicator::world();
-    MPI_Comm raw;
-    MPI_Comm_dup(MPI_COMM_WORLD, &raw);
-    const int n = comm->size();
-    const int64_t esize = c10::elementSize(dtype);
-    if (rank == 0 && !args.json) {
-      fmt::print("# comm_bench: {} ranks, dtype {}, {} rounds, tessera {} (LibTorch {})\n", n, args.dtype, args.rounds,
-                 TESSERA_VERSION, tessera::torch_version_string());
-      fmt::print("# {:<15}{:>12}{:>12}{:>11}{:>11}{:>9}{:>12}{:>11}{:>9}\n", "op", "bytes", "time_us", "algbw", "busbw",
-                 "#wrong", "mpi_us", "mpi_busbw", "ratio");
-    }
-    for (const auto& op : args.ops) {
-      for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.factor) {
-        int64_t count = std::max<int64_t>(bytes / esize, 1);
-        if (op != "all_reduce" && op != "broadcast" && op != "reduce") count = std::max<int64_t>(count / n * n, n);
-        Bench b = make_bench(op, count, dtype, *comm, raw);
-        // Calibrate: enough iterations for --round-ms per round, at least 1.
-        for (int i = 0; i < args.warmup; ++i) {
-          b.tessera_call();
-          b.mpi_call();
-        }
-        const double one = time_calls(b.tessera_call, 1, raw);
-        const int iters = static_cast<int>(std::clamp(args.round_ms * 1e-3 / std::max(one, 1e-7), 1.0, 2000.0));
-        std::vector<double> ours, theirs;
-        // Which of the two goes first alternates, so neither profits from
-        // always following the other (warm caches, a neighbour's timing).
-        for (int round = 0; round < args.rounds; ++round) {
-          if (round % 2 == 0) ours.push_back(time_calls(b.tessera_call, iters, raw));
-          theirs.push_back(time_calls(b.mpi_call, iters, raw));
-          if (round % 2 == 1) ours.push_back(time_calls(b.tessera_call, iters, raw));
-        }
-        int64_t wrong = b.count_wrong(), total_wrong = 0;
-        MPI_Allreduce(&wrong, &total_wrong, 1, MPI_INT64_T, MPI_SUM, raw);
-        // The ratio is the median of per-round ratios: each round's pair ran
-        // back to back, so slow drift of the machine cancels within a pair.
-        std::vector<double> paired;
-        for (int round = 0; round < args.rounds; ++round) paired.push_back(theirs[round] / ours[round]);
-        const double ratio = median(paired);
-        const double t = median(ours), tb = median(theirs);
-        const double algbw = b.bytes / t / 1e9, busbw = algbw * b.bus_factor;
-        const double base_busbw = b.bytes / tb / 1e9 * b.bus_factor;
-        if (rank != 0) continue;
-        if (args.json) {
-          fmt::print(
-              "{{\"op\": \"{}\", \"bytes\": {}, \"dtype\": \"{}\", \"ranks\": {}, \"iters\": {}, \"rounds\": {}, "
-              "\"time_us\": {:.3f}, \"algbw_gbps\": {:.4f}, \"busbw_gbps\": {:.4f}, "
-              "\"baseline_time_us\": {:.3f}, \"baseline_busbw_gbps\": {:.4f}, \"ratio\": {:.4f}, "
-              "\"wrong\": {}}}\n",
-              op, b.bytes, args.dtype, n, iters, args.rounds, t * 1e6, algbw, busbw, tb * 1e6, base_busbw, ratio,
-              total_wrong);
-        } else {
-          fmt::print("  {:<15}{:>12}{:>12.2f}{:>11.3f}{:>11.3f}{:>9}{:>12.2f}{:>11.3f}{:>9.3f}\n", op, b.bytes, t * 1e6,
-                     algbw, busbw, total_wrong, tb * 1e6, base_busbw, ratio);
-        }
-        std::fflush(stdout);
-      }
-    }
-    MPI_Comm_free(&raw);
-  });
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a); });
 }

@@ -7,16 +7,17 @@
 // A raw MPI_Allreduce of the gradients is timed as the DDP baseline.
 // Prints one JSON object per spec.
 //
-//   mpirun -np 4 dp_step [--hidden 1024] [--layers 4] [--batch 64] [--steps 5]
-//       [--warmup 2] [--rounds 3] [--bucket-mb 25] [--specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2]
-//       [--device cpu|cuda] [--backend auto|mpi|nccl] [--offload none|optimizer|params]
-//       [--dp N] (the grid flags of context::config_from_args; every rank is a
-//       data rank, so the other dimensions must be 1)
+//   mpirun -np 4 dp_step --hidden 1024 --specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2
+//   mpirun -np 2 dp_step --device cuda --backend mpi --offload optimizer
+//
+// Every option and its default: dp_step --help (docs/cli.md). Every rank is
+// a data rank, so the grid's other dimensions must be 1.
 //
 // On CUDA every timed call ends with a device synchronization, and the
 // caching allocator's bytes (after a step, and the step's peak, relative to
 // before the model was built) are reported beside the counted model states.
 #include "bench_util.h"
+#include "example_main.h"
 
 #include <tessera/parallel/flat_bucket.h>
 #include <tessera/parallel/sharded_module.h>
@@ -45,7 +46,7 @@ using tessera::parallel::ShardingSpec;
 struct Args {
   int64_t hidden = 1024, layers = 4, batch = 64, bucket_mb = 25;
   int64_t steps = 5, warmup = 2, rounds = 3;
-  std::vector<std::string> specs = {"ddp", "zero1", "zero2", "zero3", "hpz:2", "{R,P(2),S}", "mics:2"};
+  std::string specs = "ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2";
   std::string device = "cpu", backend = "auto", offload = "none";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
@@ -69,26 +70,30 @@ std::vector<std::string> split_specs(const std::string& text) {
   return out;
 }
 
-Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
-  Args a;
-  std::string specs;
-  *grid = bench::parse_flags(
-      argc, argv,
-      {{"--hidden", &a.hidden},
-       {"--layers", &a.layers},
-       {"--batch", &a.batch},
-       {"--bucket-mb", &a.bucket_mb},
-       {"--steps", &a.steps},
-       {"--warmup", &a.warmup},
-       {"--rounds", &a.rounds}},
-      {{"--specs", &specs}, {"--device", &a.device}, {"--backend", &a.backend}, {"--offload", &a.offload}},
-      "the comment at the top of bench/dp_step.cpp", *grid);
-  if (!specs.empty()) a.specs = split_specs(specs);
-  TORCH_CHECK(a.offload == "none" || a.offload == "optimizer" || a.offload == "params",
-              "--offload must be none, optimizer or params, got '", a.offload, "'");
-  TORCH_CHECK(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
-              "--backend must be auto, mpi or nccl, got '", a.backend, "'");
-  return a;
+tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
+  tessera::cli::Command c("dp_step",
+                          "one data-parallel MLP step per sharding spec: time, compute and communication apart, bytes "
+                          "and memory");
+  c.group("Model");
+  c.add("hidden", &a.hidden, "width of every Linear layer");
+  c.add("layers", &a.layers, "Linear + ReLU layers of the MLP");
+  c.add("batch", &a.batch, "rows per rank per step");
+  c.group("Sharding");
+  c.add("specs", &a.specs, "sharding specs to time, comma-separated (commas inside braces belong to the spec)");
+  c.add("bucket-mb", &a.bucket_mb, "bucket size in MiB");
+  c.add("offload", &a.offload, "what lives in host memory: nothing, the optimizer states, or the parameters too",
+        {"none", "optimizer", "params"});
+  c.group("Grid");
+  tessera::context::add_grid_options(c, grid);
+  c.add("seed", &grid.seed(), "base of every mode's seed");
+  c.group("Device");
+  c.add("device", &a.device, "cpu, cuda (this rank's local GPU) or cuda:N");
+  c.add("backend", &a.backend, "communication backend", {"auto", "mpi", "nccl"});
+  c.group("Timing");
+  c.add("steps", &a.steps, "timed steps per round");
+  c.add("warmup", &a.warmup, "untimed steps before the rounds");
+  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  return c;
 }
 
 void sync(const c10::Device& device) {
@@ -147,133 +152,144 @@ void comm_only_step(ShardedModule& m) {
   m.sync_params_after_step();
 }
 
+int run(const Args& a, const tessera::context::ParallelConfig& grid) {
+  TORCH_CHECK(a.offload == "none" || a.offload == "optimizer" || a.offload == "params",
+              "--offload must be none, optimizer or params, got '", a.offload, "'");
+  TORCH_CHECK(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
+              "--backend must be auto, mpi or nccl, got '", a.backend, "'");
+  const std::vector<std::string> specs = split_specs(a.specs);
+  TORCH_CHECK(!specs.empty(), "--specs is empty; give at least one sharding spec");
+  c10::Device device(a.device);
+  if (device.is_cuda() && !device.has_index()) device = tessera::context::local_device();
+  tessera::comm::WorldOptions world_options;
+  world_options.device = device;
+  world_options.backend = a.backend == "mpi"    ? tessera::comm::Backend::kMpi
+                          : a.backend == "nccl" ? tessera::comm::Backend::kNccl
+                                                : tessera::comm::Backend::kAuto;
+  auto world = tessera::comm::make_world_communicator(world_options);
+  auto ctx = tessera::context::ParallelContext::create(world, grid);
+  TORCH_CHECK(ctx->config().data() == world->size() && ctx->config().expert() == 1,
+              "dp_step times data parallelism over all ranks, but the grid is ", tessera::context::to_string(ctx->config()),
+              "; leave --pp --tp --sp --ep at 1");
+  tessera::comm::WorldOptions traced_options = world_options;
+  traced_options.trace = std::make_shared<tessera::comm::CommTrace>();
+  auto traced_ctx =
+      tessera::context::ParallelContext::create(tessera::comm::make_world_communicator(traced_options), grid);
+  const int dp = world->size(), rank = world->rank();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + rank);
+  const at::Tensor x = at::randn({a.batch, a.hidden}, gen).to(device);
+
+  int64_t psi = 0;
+  for (auto& p : mlp(a, c10::kCPU)->parameters()) psi += p.numel();
+
+  // Baselines: plain LibTorch forward + backward on the local batch, and a
+  // raw MPI_Allreduce of all gradients (what DDP must move).
+  auto plain = mlp(a, device);
+  auto fwd_bwd = [&] {
+    for (auto& p : plain->parameters())
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    plain->forward(x).pow(2).mean().backward();
+    sync(device);
+  };
+  const double fwd_bwd_ms = bench::time_ms(fwd_bwd, a.timing());
+  at::Tensor flat = at::randn({psi});
+  const double raw_allreduce_ms = bench::time_ms(
+      [&] { MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr<float>(), psi, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+      a.timing());
+
+  for (const std::string& text : specs) {
+    const ShardingSpec spec = ShardingSpec::parse(text);
+    const auto options =
+        ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20).offload_params(a.offload == "params");
+    const auto opt_options = ShardedOptimizerOptions().offload(a.offload != "none" ? tessera::parallel::Offload::kHost
+                                                                                   : tessera::parallel::Offload::kNone);
+    sync(device);
+    const int64_t device_before = device_bytes(device).current;
+    auto net = mlp(a, device);
+    auto sharded = std::make_shared<ShardedModule>(net.ptr(), ctx, options);
+    ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(net->parameters()), opt_options);
+    auto step = [&] {
+      opt.zero_grad();
+      sharded->forward(x).pow(2).mean().backward();
+      opt.step();
+      sync(device);
+    };
+    const double step_ms = bench::time_ms(step, a.timing());
+    sharded->reset_peak_bytes();
+    reset_device_peak(device);
+    step();
+    const int64_t peak = sharded->peak_bytes() + opt.state_bytes();
+    const int64_t after_step = opt.memory().total();
+    const DeviceBytes on_device = device_bytes(device);
+    const int64_t device_after_step = device_before < 0 ? -1 : on_device.current - device_before;
+    const int64_t device_peak = device_before < 0 ? -1 : on_device.peak - device_before;
+
+    // The same step with every reduction started after backward.
+    auto late_net = mlp(a, device);
+    auto late = std::make_shared<ShardedModule>(late_net.ptr(), ctx, ShardedModuleOptions(options).overlap(false));
+    ShardedOptimizer late_opt(late, std::make_shared<torch::optim::AdamW>(late_net->parameters()), opt_options);
+    const double no_overlap_ms = bench::time_ms(
+        [&] {
+          late_opt.zero_grad();
+          late->forward(x).pow(2).mean().backward();
+          late_opt.step();
+          sync(device);
+        },
+        a.timing());
+
+    // Compute alone: forward + backward of the plain module on the local
+    // batch, and the optimizer on this rank's own pieces.
+    const auto d = sharded->degrees();
+    const double opt_ms = bench::time_ms(
+        [&] {
+          opt.inner().step();
+          sync(device);
+        },
+        a.timing());
+    const double compute_ms = fwd_bwd_ms + opt_ms;
+    const double comm_ms = bench::time_ms(
+        [&] {
+          comm_only_step(*sharded);
+          sync(device);
+        },
+        a.timing());
+
+    // Bytes of one step, on a traced copy.
+    auto traced_net = mlp(a, device);
+    auto traced = std::make_shared<ShardedModule>(traced_net.ptr(), traced_ctx, options);
+    ShardedOptimizer traced_opt(traced, std::make_shared<torch::optim::AdamW>(traced_net->parameters()), opt_options);
+    traced_options.trace->reset();
+    traced_opt.zero_grad();
+    traced->forward(x).pow(2).mean().backward();
+    traced_opt.step();
+    const double bus_bytes = traced_options.trace->total().bus_bytes;
+
+    const double formula = 4.0 * psi / d.params + 4.0 * psi / d.grads + 8.0 * psi / d.optim;
+    const double overlap = (compute_ms + comm_ms - step_ms) / std::min(compute_ms, comm_ms);
+    if (rank == 0) {
+      fmt::print(
+          "{{\"spec\": \"{}\", \"spec_placements\": \"{}\", \"device\": \"{}\", \"backend\": \"{}\", "
+          "\"offload\": \"{}\", \"dp\": {}, \"params\": {}, \"step_ms\": {:.3f}, "
+          "\"bytes_per_rank\": {:.0f}, \"peak_model_state_bytes\": {}, \"model_state_bytes_after_step\": {}, "
+          "\"formula_model_state_bytes\": {:.0f}, "
+          "\"compute_only_ms\": {:.3f}, \"comm_only_ms\": {:.3f}, \"overlap_efficiency\": {:.3f}, "
+          "\"step_no_overlap_ms\": {:.3f}, "
+          "\"fwd_bwd_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"raw_mpi_allreduce_ms\": {:.3f}, "
+          "\"device_bytes_after_step\": {}, \"device_peak_bytes\": {}, \"buckets\": {}}}\n",
+          text, spec.to_string(), device.str(), world->backend(), a.offload, dp, psi, step_ms, bus_bytes, peak,
+          after_step, formula, compute_ms, comm_ms, overlap, no_overlap_ms, fwd_bwd_ms, opt_ms, raw_allreduce_ms,
+          device_after_step, device_peak, sharded->num_buckets());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "dp_step", [&](int rank) {
-    tessera::context::ParallelConfig grid;
-    const Args a = parse(argc, argv, &grid);
-    c10::Device device(a.device);
-    if (device.is_cuda() && !device.has_index()) device = tessera::context::local_device();
-    tessera::comm::WorldOptions world_options;
-    world_options.device = device;
-    world_options.backend = a.backend == "mpi"    ? tessera::comm::Backend::kMpi
-                            : a.backend == "nccl" ? tessera::comm::Backend::kNccl
-                                                  : tessera::comm::Backend::kAuto;
-    auto world = tessera::comm::make_world_communicator(world_options);
-    auto ctx = tessera::context::ParallelContext::create(world, grid);
-    TORCH_CHECK(ctx->config().data() == world->size() && ctx->config().expert() == 1,
-                "dp_step times data parallelism over all ranks, but the grid is ", tessera::context::to_string(ctx->config()),
-                "; leave --pp --tp --sp --ep at 1");
-    tessera::comm::WorldOptions traced_options = world_options;
-    traced_options.trace = std::make_shared<tessera::comm::CommTrace>();
-    auto traced_ctx =
-        tessera::context::ParallelContext::create(tessera::comm::make_world_communicator(traced_options), grid);
-    const int dp = world->size();
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + rank);
-    const at::Tensor x = at::randn({a.batch, a.hidden}, gen).to(device);
-
-    int64_t psi = 0;
-    for (auto& p : mlp(a, c10::kCPU)->parameters()) psi += p.numel();
-
-    // Baselines: plain LibTorch forward + backward on the local batch, and a
-    // raw MPI_Allreduce of all gradients (what DDP must move).
-    auto plain = mlp(a, device);
-    auto fwd_bwd = [&] {
-      for (auto& p : plain->parameters())
-        if (p.grad().defined()) p.mutable_grad().zero_();
-      plain->forward(x).pow(2).mean().backward();
-      sync(device);
-    };
-    const double fwd_bwd_ms = bench::time_ms(fwd_bwd, a.timing());
-    at::Tensor flat = at::randn({psi});
-    const double raw_allreduce_ms = bench::time_ms(
-        [&] { MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr<float>(), psi, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
-        a.timing());
-
-    for (const std::string& text : a.specs) {
-      const ShardingSpec spec = ShardingSpec::parse(text);
-      const auto options =
-          ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20).offload_params(a.offload == "params");
-      const auto opt_options = ShardedOptimizerOptions().offload(a.offload != "none");
-      sync(device);
-      const int64_t device_before = device_bytes(device).current;
-      auto net = mlp(a, device);
-      auto sharded = std::make_shared<ShardedModule>(net.ptr(), ctx, options);
-      ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(net->parameters()), opt_options);
-      auto step = [&] {
-        opt.zero_grad();
-        sharded->forward(x).pow(2).mean().backward();
-        opt.step();
-        sync(device);
-      };
-      const double step_ms = bench::time_ms(step, a.timing());
-      sharded->reset_peak_bytes();
-      reset_device_peak(device);
-      step();
-      const int64_t peak = sharded->peak_bytes() + opt.state_bytes();
-      const int64_t after_step = opt.memory().total();
-      const DeviceBytes on_device = device_bytes(device);
-      const int64_t device_after_step = device_before < 0 ? -1 : on_device.current - device_before;
-      const int64_t device_peak = device_before < 0 ? -1 : on_device.peak - device_before;
-
-      // The same step with every reduction started after backward.
-      auto late_net = mlp(a, device);
-      auto late = std::make_shared<ShardedModule>(late_net.ptr(), ctx, ShardedModuleOptions(options).overlap(false));
-      ShardedOptimizer late_opt(late, std::make_shared<torch::optim::AdamW>(late_net->parameters()), opt_options);
-      const double no_overlap_ms = bench::time_ms(
-          [&] {
-            late_opt.zero_grad();
-            late->forward(x).pow(2).mean().backward();
-            late_opt.step();
-            sync(device);
-          },
-          a.timing());
-
-      // Compute alone: forward + backward of the plain module on the local
-      // batch, and the optimizer on this rank's own pieces.
-      const auto d = sharded->degrees();
-      const double opt_ms = bench::time_ms(
-          [&] {
-            opt.inner().step();
-            sync(device);
-          },
-          a.timing());
-      const double compute_ms = fwd_bwd_ms + opt_ms;
-      const double comm_ms = bench::time_ms(
-          [&] {
-            comm_only_step(*sharded);
-            sync(device);
-          },
-          a.timing());
-
-      // Bytes of one step, on a traced copy.
-      auto traced_net = mlp(a, device);
-      auto traced = std::make_shared<ShardedModule>(traced_net.ptr(), traced_ctx, options);
-      ShardedOptimizer traced_opt(traced, std::make_shared<torch::optim::AdamW>(traced_net->parameters()), opt_options);
-      traced_options.trace->reset();
-      traced_opt.zero_grad();
-      traced->forward(x).pow(2).mean().backward();
-      traced_opt.step();
-      const double bus_bytes = traced_options.trace->total().bus_bytes;
-
-      const double formula = 4.0 * psi / d.params + 4.0 * psi / d.grads + 8.0 * psi / d.optim;
-      const double overlap = (compute_ms + comm_ms - step_ms) / std::min(compute_ms, comm_ms);
-      if (rank == 0) {
-        fmt::print(
-            "{{\"spec\": \"{}\", \"spec_placements\": \"{}\", \"device\": \"{}\", \"backend\": \"{}\", "
-            "\"offload\": \"{}\", \"dp\": {}, \"params\": {}, \"step_ms\": {:.3f}, "
-            "\"bytes_per_rank\": {:.0f}, \"peak_model_state_bytes\": {}, \"model_state_bytes_after_step\": {}, "
-            "\"formula_model_state_bytes\": {:.0f}, "
-            "\"compute_only_ms\": {:.3f}, \"comm_only_ms\": {:.3f}, \"overlap_efficiency\": {:.3f}, "
-            "\"step_no_overlap_ms\": {:.3f}, "
-            "\"fwd_bwd_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"raw_mpi_allreduce_ms\": {:.3f}, "
-            "\"device_bytes_after_step\": {}, \"device_peak_bytes\": {}, \"buckets\": {}}}\n",
-            text, spec.to_string(), device.str(), world->backend(), a.offload, dp, psi, step_ms, bus_bytes, peak,
-            after_step, formula, compute_ms, comm_ms, overlap, no_overlap_ms, fwd_bwd_ms, opt_ms, raw_allreduce_ms,
-            device_after_step, device_peak, sharded->num_buckets());
-        std::fflush(stdout);
-      }
-    }
-  });
+  Args a;
+  tessera::context::ParallelConfig grid;
+  tessera::cli::Command c = command(a, grid);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a, grid); });
 }

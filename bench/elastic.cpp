@@ -8,9 +8,11 @@
 // seconds of the live move (build and exchange apart), and seconds of the
 // checkpoint route (save, build, load) with its bytes on disk.
 //
-//   mpirun -np 4 elastic [--layers 4] [--hidden 512] [--heads 8] [--seq 64]
-//       [--specs zero1,zero3] [--moves 2:4,4:2] [--dir /tmp/tessera_elastic_bench]
+//   mpirun -np 4 elastic --specs zero1,zero3 --moves 2:4,4:2
+//
+// Every option and its default: elastic --help (docs/cli.md).
 #include "bench_util.h"
+#include "example_main.h"
 
 #include <tessera/tessera.h>
 
@@ -30,19 +32,39 @@ int64_t dir_bytes(const std::string& dir) {
   return total;
 }
 
-void run(int rank, int argc, char** argv) {
+struct Args {
   int64_t layers = 4, hidden = 512, heads = 8, seq = 64;
   std::string specs = "zero1,zero3", moves = "2:4,4:2", dir = "/tmp/tessera_elastic_bench";
-  bench::parse_flags(argc, argv,
-                     {{"--layers", &layers}, {"--hidden", &hidden}, {"--heads", &heads}, {"--seq", &seq}},
-                     {{"--specs", &specs}, {"--moves", &moves}, {"--dir", &dir}}, "bench/elastic.cpp");
+};
+
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("elastic",
+                          "changing the data-parallel size of a running GPT trainer live against through a checkpoint");
+  c.group("Moves");
+  c.add("specs", &a.specs, "sharding specs, comma-separated");
+  c.add("moves", &a.moves, "FROM:TO data sizes, comma-separated");
+  c.add("dir", &a.dir, "directory of the checkpoint route's files (removed after each move)");
+  c.group("Model");
+  c.add("layers", &a.layers, "GPT blocks");
+  c.add("hidden", &a.hidden, "hidden size");
+  c.add("heads", &a.heads, "attention heads");
+  c.add("seq", &a.seq, "tokens per sequence");
+  return c;
+}
+
+int run(const Args& a) {
+  const int64_t layers = a.layers, hidden = a.hidden, heads = a.heads, seq = a.seq;
+  const std::string& specs = a.specs;
+  const std::string& moves = a.moves;
+  const std::string& dir = a.dir;
   auto world = tessera::comm::make_world_communicator();
+  const int rank = world->rank();
   tessera::models::GPTConfig cfg = tessera::models::GPTConfig::preset("tiny");
-  cfg.vocab = 256;
-  cfg.context = seq;
-  cfg.layers = layers;
-  cfg.hidden = hidden;
-  cfg.heads = heads;
+  cfg.vocab(256);
+  cfg.context(seq);
+  cfg.layers(layers);
+  cfg.hidden(hidden);
+  cfg.heads(heads);
   auto build = [&](const tessera::context::ParallelContextPtr& ctx) {
     torch::manual_seed(1);
     return tessera::train::gpt_train_model(
@@ -56,7 +78,7 @@ void run(int rank, int argc, char** argv) {
   const int64_t rows = 8;
   auto step = [&](tessera::train::Trainer& t, int data) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-    at::Tensor tokens = at::randint(cfg.vocab, {rows, seq + 1}, gen, at::kLong);
+    at::Tensor tokens = at::randint(cfg.vocab(), {rows, seq + 1}, gen, at::kLong);
     const int64_t per = rows / data, first = t.context()->rank(tessera::context::ParallelMode::kData) * per;
     t.train_step(tokens.narrow(1, 0, seq).narrow(0, first, per), tokens.narrow(1, 1, seq).narrow(0, first, per));
   };
@@ -143,10 +165,13 @@ void run(int rank, int argc, char** argv) {
       }
     }
   }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "elastic", [&](int rank) { run(rank, argc, argv); });
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a); });
 }

@@ -5,11 +5,12 @@
 // shape (bench/baseline_gpt.h) timed in the same run on every rank. Prints
 // one JSON object per configuration.
 //
-//   mpirun -np N gpt_step [--layers 4] [--hidden 256] [--heads 8] [--seq 128]
-//       [--batch 8] [--vocab 8192] [--steps 4] [--warmup 2] [--rounds 3]
-//       [--tp N] [--tp-mode 1d] [--order ...] (the grid flags of
-//       context::config_from_args; data, pipeline, sequence and expert must be 1)
-//       [--device cpu|cuda] [--dtype fp32|bf16] [--matmul N]
+//   mpirun -np 2 gpt_step --layers 4 --hidden 256 --tp 2 --tp-mode 1d
+//   mpirun -np 1 gpt_step --device cuda --dtype bf16 --layers 24 --hidden 1024 --heads 16
+//
+// Every option and its default: gpt_step --help (docs/cli.md). The grid is
+// one tensor-parallel group: --tp defaults to the number of ranks, and data,
+// pipeline, sequence and expert must be 1.
 //
 // --dtype bf16 runs both models with bf16 parameters and activations (AdamW
 // on bf16 parameters: the same arithmetic on both sides). On CUDA rank r
@@ -28,6 +29,7 @@
 // optimizer are not counted. Per rank: divided by the tensor size.
 #include "baseline_gpt.h"
 #include "bench_util.h"
+#include "example_main.h"
 
 #include <tessera/models/gpt.h>
 #include <tessera/tessera.h>
@@ -69,113 +71,133 @@ double matmul_peak(const at::TensorOptions& options, int64_t n) {
   return 2.0 * double(n) * double(n) * double(n) / (ms / 1e3);
 }
 
-Args parse(int argc, char** argv, tessera::context::ParallelConfig* grid) {
-  Args a;
-  *grid = bench::parse_flags(argc, argv,
-                     {{"--layers", &a.layers},
-                      {"--hidden", &a.hidden},
-                      {"--heads", &a.heads},
-                      {"--seq", &a.seq},
-                      {"--batch", &a.batch},
-                      {"--vocab", &a.vocab},
-                      {"--steps", &a.steps},
-                      {"--warmup", &a.warmup},
-                      {"--rounds", &a.rounds},
-                      {"--matmul", &a.matmul}},
-                     {{"--device", &a.device}, {"--dtype", &a.dtype}}, "the comment at the top of bench/gpt_step.cpp",
-                     *grid);
+tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
+  tessera::cli::Command c("gpt_step",
+                          "one GPT training step over a tensor-parallel group against a plain LibTorch GPT, with MFU");
+  c.group("Model");
+  c.add("layers", &a.layers, "GPT blocks");
+  c.add("hidden", &a.hidden, "hidden size");
+  c.add("heads", &a.heads, "attention heads");
+  c.add("seq", &a.seq, "tokens per sequence");
+  c.add("batch", &a.batch, "sequences per step");
+  c.add("vocab", &a.vocab, "vocabulary");
+  c.group("Grid");
+  tessera::context::add_grid_options(c, grid);
+  c.default_text("tp", "the number of ranks");
+  c.add("seed", &grid.seed(), "base of every mode's seed");
+  c.group("Device");
+  c.add("device", &a.device, "where both models run; on CUDA rank r uses GPU r mod the device count",
+        {"cpu", "cuda"});
+  c.add("dtype", &a.dtype, "parameters and activations of both models", {"fp32", "bf16"});
+  c.add("matmul", &a.matmul, "side N of the N x N matmul that measures the peak; 0: 1024 on CPU, 8192 on CUDA");
+  c.group("Timing");
+  c.add("steps", &a.steps, "timed steps per round");
+  c.add("warmup", &a.warmup, "untimed steps before the rounds");
+  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  return c;
+}
+
+// The checks of the options, and --matmul's default.
+void check(Args& a) {
   TORCH_CHECK(a.device == "cpu" || a.device == "cuda", "gpt_step: --device must be cpu or cuda, got '", a.device, "'");
   TORCH_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "gpt_step: --dtype must be fp32 or bf16, got '", a.dtype, "'");
   TORCH_CHECK(a.device == "cpu" || torch::cuda::is_available(),
               "gpt_step: --device cuda, but this LibTorch sees no CUDA device");
   if (a.matmul == 0) a.matmul = a.device == "cuda" ? 8192 : 1024;
   TORCH_CHECK(a.matmul > 0, "gpt_step: --matmul must be positive, got ", a.matmul);
-  return a;
+}
+
+int run(Args& a, tessera::context::ParallelConfig grid, const tessera::cli::Command& command) {
+  check(a);
+  auto world = tessera::comm::make_world_communicator();
+  const int rank = world->rank();
+  // Without --tp, every rank is in the one tensor-parallel group.
+  if (!command.given("tp")) grid.tensor(world->size());
+  auto ctx = tessera::context::ParallelContext::create(world, grid);
+  const auto& c = ctx->config();
+  TORCH_CHECK(c.data() == 1 && c.pipeline() == 1, "gpt_step times one tensor-parallel group, but the grid has data ",
+              c.data(), " and pipeline ", c.pipeline(), "; set --tp to the number of ranks (bench/dp_step and ",
+              "bench/pipeline time the other dimensions)");
+  const int n = c.tensor();
+  tessera::models::GPTConfig config;
+  config.vocab(a.vocab);
+  config.context(a.seq);
+  config.layers(a.layers);
+  config.heads(a.heads);
+  config.hidden(a.hidden);
+  const bool cuda = a.device == "cuda";
+  const at::Device device =
+      cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rank % int(torch::cuda::device_count())))
+           : at::Device(at::kCPU);
+  const at::ScalarType dtype = a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  torch::Tensor ids = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
+  torch::Tensor targets = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
+  const double peak = matmul_peak(at::TensorOptions().device(device).dtype(dtype), a.matmul);
+  const double flops = step_flops(a) / n;
+  auto sync = [&] {
+    if (cuda) torch::cuda::synchronize();
+  };
+
+  for (bool sp : {false, true}) {
+    // The variant is the same model at size 1, and belongs to 1D.
+    if (sp && (n == 1 || c.tensor_mode() != tessera::context::TensorMode::k1D)) continue;
+    torch::manual_seed(0);
+    tessera::models::GPT gpt(config, tessera::nn::make_layer_factory(ctx, sp));
+    auto full = gpt->full_state();  // before the cast: the baseline starts from the same values
+    gpt->to(device, dtype);
+    torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
+    auto tessera_step = [&] {
+      opt.zero_grad();
+      at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
+      loss.backward();
+      gpt->reduce_partial_gradients();
+      opt.step();
+      sync();
+    };
+    baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
+    base->load(full);
+    base->to(device, dtype);
+    const double base_first = base->loss(ids, targets).item<double>();
+    const double first = gpt->loss(gpt->forward(ids), targets).item<double>();
+    torch::optim::AdamW base_opt(base->parameters(), torch::optim::AdamWOptions(1e-4));
+    auto base_step = [&] {
+      base_opt.zero_grad();
+      torch::Tensor loss = base->loss(ids, targets);
+      loss.backward();
+      base_opt.step();
+      sync();
+    };
+    // Alternate so that neither profits from running second.
+    std::vector<double> ours, theirs;
+    for (int r = 0; r < 2; ++r) {
+      ours.push_back(bench::time_ms(tessera_step, a.timing()));
+      theirs.push_back(bench::time_ms(base_step, a.timing()));
+    }
+    const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
+    if (rank == 0) {
+      fmt::print(
+          "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", \"sp_variant\": {}, \"step_ms\": {:.3f}, "
+          "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
+          "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}, \"device\": \"{}\", \"dtype\": \"{}\", "
+          "\"matmul_n\": {}, \"matmul_peak_tflops\": {:.4f}, \"model_tflop_per_step_per_rank\": {:.5f}, "
+          "\"mfu\": {:.4f}, \"baseline_mfu\": {:.4f}}}\n",
+          a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n,
+          tessera::context::tensor_mode_name(c.tensor_mode()), sp ? "true" : "false", step_ms,
+          a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first,
+          cuda ? device.str() : "cpu", a.dtype, a.matmul, peak / 1e12, flops / 1e12,
+          flops / (step_ms / 1e3) / peak, step_flops(a) / (base_ms / 1e3) / peak);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "gpt_step", [&](int rank) {
-    auto world = tessera::comm::make_world_communicator();
-    tessera::context::ParallelConfig grid = tessera::context::ParallelConfig().tensor(world->size());
-    const Args a = parse(argc, argv, &grid);
-    auto ctx = tessera::context::ParallelContext::create(world, grid);
-    const auto& c = ctx->config();
-    TORCH_CHECK(c.data() == 1 && c.pipeline() == 1, "gpt_step times one tensor-parallel group, but the grid has data ",
-                c.data(), " and pipeline ", c.pipeline(), "; set --tp to the number of ranks (bench/dp_step and ",
-                "bench/pipeline time the other dimensions)");
-    const int n = c.tensor();
-    tessera::models::GPTConfig config;
-    config.vocab = a.vocab;
-    config.context = a.seq;
-    config.layers = a.layers;
-    config.heads = a.heads;
-    config.hidden = a.hidden;
-    const bool cuda = a.device == "cuda";
-    const at::Device device =
-        cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rank % int(torch::cuda::device_count())))
-             : at::Device(at::kCPU);
-    const at::ScalarType dtype = a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-    torch::Tensor ids = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
-    torch::Tensor targets = torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong).to(device);
-    const double peak = matmul_peak(at::TensorOptions().device(device).dtype(dtype), a.matmul);
-    const double flops = step_flops(a) / n;
-    auto sync = [&] {
-      if (cuda) torch::cuda::synchronize();
-    };
-
-    for (bool sp : {false, true}) {
-      // The variant is the same model at size 1, and belongs to 1D.
-      if (sp && (n == 1 || c.tensor_mode() != tessera::context::TensorMode::k1D)) continue;
-      torch::manual_seed(0);
-      tessera::models::GPT gpt(config, tessera::nn::make_layer_factory(ctx, sp));
-      auto full = gpt->full_state();  // before the cast: the baseline starts from the same values
-      gpt->to(device, dtype);
-      torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-4));
-      auto tessera_step = [&] {
-        opt.zero_grad();
-        at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
-        loss.backward();
-        gpt->reduce_partial_gradients();
-        opt.step();
-        sync();
-      };
-      baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
-      base->load(full);
-      base->to(device, dtype);
-      const double base_first = base->loss(ids, targets).item<double>();
-      const double first = gpt->loss(gpt->forward(ids), targets).item<double>();
-      torch::optim::AdamW base_opt(base->parameters(), torch::optim::AdamWOptions(1e-4));
-      auto base_step = [&] {
-        base_opt.zero_grad();
-        torch::Tensor loss = base->loss(ids, targets);
-        loss.backward();
-        base_opt.step();
-        sync();
-      };
-      // Alternate so that neither profits from running second.
-      std::vector<double> ours, theirs;
-      for (int r = 0; r < 2; ++r) {
-        ours.push_back(bench::time_ms(tessera_step, a.timing()));
-        theirs.push_back(bench::time_ms(base_step, a.timing()));
-      }
-      const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
-      if (rank == 0) {
-        fmt::print(
-            "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", \"sp_variant\": {}, \"step_ms\": {:.3f}, "
-            "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
-            "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}, \"device\": \"{}\", \"dtype\": \"{}\", "
-            "\"matmul_n\": {}, \"matmul_peak_tflops\": {:.4f}, \"model_tflop_per_step_per_rank\": {:.5f}, "
-            "\"mfu\": {:.4f}, \"baseline_mfu\": {:.4f}}}\n",
-            a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n,
-            tessera::context::tensor_mode_name(c.tensor_mode()), sp ? "true" : "false", step_ms,
-            a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first,
-            cuda ? device.str() : "cpu", a.dtype, a.matmul, peak / 1e12, flops / 1e12,
-            flops / (step_ms / 1e3) / peak, step_flops(a) / (base_ms / 1e3) / peak);
-        std::fflush(stdout);
-      }
-    }
-  });
+  Args a;
+  tessera::context::ParallelConfig grid;
+  tessera::cli::Command c = command(a, grid);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a, grid, c); });
 }

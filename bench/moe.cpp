@@ -20,11 +20,13 @@
 // without the load-balancing loss, one line every 5 steps: loss, max/mean
 // and the tokens per expert of the first MoE layer.
 //
-//   mpirun -np 4 moe [--eps 1,2,4] [--experts 8] [--top-k 1] [--moe-every 2]
-//       [--capacity 0 (dropless) | percent, e.g. 125] [--layers 4] [--hidden 128]
-//       [--heads 4] [--seq 64] [--batch 16] [--vocab 512] [--train-steps 40]
-//       [--steps 3] [--warmup 1] [--rounds 3]
+//   mpirun -np 4 moe --eps 1,2,4 --experts 8 --top-k 1 --capacity 125
+//
+// Every option and its default: moe --help (docs/cli.md). It chooses the
+// grid itself (data = world, the expert sizes of --eps), so it has no grid
+// options.
 #include "bench_util.h"
+#include "example_main.h"
 
 #include <tessera/comm/tracing_communicator.h>
 #include <tessera/models/gpt.h>
@@ -50,17 +52,43 @@ struct Args {
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("moe",
+                          "the mixture-of-experts GPT at each expert-parallel size against the dense GPT: step time, "
+                          "all-to-all bytes, balance");
+  c.group("Experts");
+  c.add("eps", &a.eps, "expert-parallel sizes, comma-separated; those dividing the world and --experts are run");
+  c.add("experts", &a.experts, "experts per MoE block");
+  c.add("top-k", &a.top_k, "experts per token");
+  c.add("moe-every", &a.moe_every, "every n-th block has experts");
+  c.add("capacity", &a.capacity,
+        "capacity factor in percent, e.g. 125 for 1.25 x an even share of the tokens; 0: dropless");
+  c.add("train-steps", &a.train_steps, "training steps of the balance runs, with and without the balancing loss");
+  c.group("Model");
+  c.add("layers", &a.layers, "GPT blocks");
+  c.add("hidden", &a.hidden, "hidden size");
+  c.add("heads", &a.heads, "attention heads");
+  c.add("seq", &a.seq, "tokens per sequence");
+  c.add("batch", &a.batch, "sequences per step, split over the data ranks");
+  c.add("vocab", &a.vocab, "vocabulary");
+  c.group("Timing");
+  c.add("steps", &a.steps, "timed steps per round");
+  c.add("warmup", &a.warmup, "untimed steps before the rounds");
+  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  return c;
+}
+
 tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts) {
   tessera::models::GPTConfig c;
-  c.vocab = a.vocab;
-  c.context = a.seq;
-  c.layers = a.layers;
-  c.heads = a.heads;
-  c.hidden = a.hidden;
-  c.experts = experts;
-  c.top_k = a.top_k;
-  c.moe_every = a.moe_every;
-  if (a.capacity > 0) c.capacity_factor = static_cast<double>(a.capacity) / 100.0;
+  c.vocab(a.vocab);
+  c.context(a.seq);
+  c.layers(a.layers);
+  c.heads(a.heads);
+  c.hidden(a.hidden);
+  c.experts(experts);
+  c.top_k(a.top_k);
+  c.moe_every(a.moe_every);
+  if (a.capacity > 0) c.capacity_factor() = static_cast<double>(a.capacity) / 100.0;
   return c;
 }
 
@@ -85,7 +113,7 @@ Run make_run(const tessera::comm::CommunicatorPtr& world, const Args& a, int64_t
   r.ctx = tessera::context::ParallelContext::create(world, ParallelConfig().expert(static_cast<int>(ep)));
   torch::manual_seed(0);
   auto config = gpt_config(a, experts);
-  config.aux_loss_coef = aux_coef;
+  config.aux_loss_coef(aux_coef);
   r.gpt = std::make_shared<tessera::models::GPTImpl>(config, tessera::nn::make_layer_factory(r.ctx));
   auto adamw = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
@@ -111,103 +139,91 @@ double max_over_mean(const tessera::models::GPTImpl& gpt) {
   return worst;
 }
 
-}  // namespace
+int run(const Args& a) {
+  auto trace = std::make_shared<tessera::comm::CommTrace>();
+  tessera::comm::WorldOptions world_options;
+  world_options.trace = trace;
+  auto world = tessera::comm::make_world_communicator(world_options);
+  const int n = world->size(), rank = world->rank();
+  TORCH_CHECK(a.batch % n == 0, "--batch ", a.batch, " must divide over the ", n, " data ranks");
+  std::vector<int64_t> eps;
+  for (int64_t ep : bench::parse_int_list(a.eps, "--eps"))
+    if (n % ep == 0 && a.experts % ep == 0) eps.push_back(ep);
+  TORCH_CHECK(!eps.empty(), "no expert size of --eps ", a.eps, " divides both the world (", n, ") and --experts ",
+              a.experts);
+  const int64_t local = a.batch / n, h = a.hidden, moe_layers = a.layers / a.moe_every;
+  const double mlp_params = static_cast<double>(8 * h * h + 5 * h);
+  auto local_rows = [&](const at::Tensor& t) { return t.narrow(0, world->rank() * local, local); };
 
-int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "moe", [&](int rank) {
-    Args a;
-    bench::parse_flags(argc, argv,
-                       {{"--experts", &a.experts},
-                        {"--top-k", &a.top_k},
-                        {"--moe-every", &a.moe_every},
-                        {"--capacity", &a.capacity},
-                        {"--layers", &a.layers},
-                        {"--hidden", &a.hidden},
-                        {"--heads", &a.heads},
-                        {"--seq", &a.seq},
-                        {"--batch", &a.batch},
-                        {"--vocab", &a.vocab},
-                        {"--train-steps", &a.train_steps},
-                        {"--steps", &a.steps},
-                        {"--warmup", &a.warmup},
-                        {"--rounds", &a.rounds}},
-                       {{"--eps", &a.eps}}, "the comment at the top of bench/moe.cpp");
-    auto trace = std::make_shared<tessera::comm::CommTrace>();
-    tessera::comm::WorldOptions world_options;
-    world_options.trace = trace;
-    auto world = tessera::comm::make_world_communicator(world_options);
-    const int n = world->size();
-    TORCH_CHECK(a.batch % n == 0, "--batch ", a.batch, " must divide over the ", n, " data ranks");
-    std::vector<int64_t> eps;
-    for (int64_t ep : bench::parse_int_list(a.eps, "--eps"))
-      if (n % ep == 0 && a.experts % ep == 0) eps.push_back(ep);
-    TORCH_CHECK(!eps.empty(), "no expert size of --eps ", a.eps, " divides both the world (", n, ") and --experts ",
-                a.experts);
-    const int64_t local = a.batch / n, h = a.hidden, moe_layers = a.layers / a.moe_every;
-    const double mlp_params = static_cast<double>(8 * h * h + 5 * h);
-    auto local_rows = [&](const at::Tensor& t) { return t.narrow(0, world->rank() * local, local); };
+  // ep 0 stands for the dense model.
+  std::vector<int64_t> runs = {0};
+  runs.insert(runs.end(), eps.begin(), eps.end());
+  for (int64_t ep : runs) {
+    const bool dense = ep == 0;
+    Run r = make_run(world, a, dense ? 1 : ep, dense ? 0 : a.experts, 1e-2);
+    uint64_t step = 0;
+    auto train_step = [&] {
+      auto [x, y] = batch(a, 1000 + step++);
+      r.trainer->train_step(local_rows(x), local_rows(y));
+    };
+    auto [x0, y0] = batch(a, 7);
+    const double initial = r.trainer->evaluate(local_rows(x0), local_rows(y0));
+    trace->reset();
+    train_step();
+    const std::string expert_group = r.ctx->comm(ParallelMode::kExpert)->name();
+    const auto a2a = trace->get(expert_group, tessera::comm::OpType::kAllToAll);
+    const double step_ms = bench::time_ms(train_step, a.timing());
+    // Balanced: per MoE layer the counts, then 4 exchanges of the rows this
+    // rank sends (T·k assignments less the dropped, here none or few).
+    const double rows = static_cast<double>(local * a.seq * a.top_k);
+    const double balanced =
+        dense || ep == 1 ? 0.0 : static_cast<double>(moe_layers) * (8.0 * a.experts + 4.0 * rows * h * 4);
+    double params = 0;
+    for (const auto& [name, p] : r.gpt->placements()) {
+      double numel = 1;
+      for (int64_t d : p.full_shape) numel *= static_cast<double>(d);
+      params += numel;
+    }
+    const double active =
+        dense ? params
+              : params - static_cast<double>(moe_layers) * static_cast<double>(a.experts - a.top_k) * mlp_params;
+    if (rank == 0) {
+      fmt::print(
+          "{{\"bench\": \"moe\", \"model\": \"{}\", \"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, "
+          "\"ep\": {}, \"experts\": {}, \"top_k\": {}, \"moe_every\": {}, \"capacity\": {}, \"step_ms\": {:.2f}, "
+          "\"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, \"a2a_balanced_bytes\": {:.0f}, "
+          "\"max_over_mean\": {:.3f}, \"params\": {:.0f}, \"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
+          dense ? "dense" : "moe", a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, dense ? 0 : ep,
+          dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, step_ms, a.batch * a.seq / (step_ms / 1000.0),
+          a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt), params, active, initial);
+      std::fflush(stdout);
+    }
+  }
 
-    // ep 0 stands for the dense model.
-    std::vector<int64_t> runs = {0};
-    runs.insert(runs.end(), eps.begin(), eps.end());
-    for (int64_t ep : runs) {
-      const bool dense = ep == 0;
-      Run r = make_run(world, a, dense ? 1 : ep, dense ? 0 : a.experts, 1e-2);
-      uint64_t step = 0;
-      auto train_step = [&] {
-        auto [x, y] = batch(a, 1000 + step++);
-        r.trainer->train_step(local_rows(x), local_rows(y));
-      };
-      auto [x0, y0] = batch(a, 7);
-      const double initial = r.trainer->evaluate(local_rows(x0), local_rows(y0));
-      trace->reset();
-      train_step();
-      const std::string expert_group = r.ctx->comm(ParallelMode::kExpert)->name();
-      const auto a2a = trace->get(expert_group, tessera::comm::OpType::kAllToAll);
-      const double step_ms = bench::time_ms(train_step, a.timing());
-      // Balanced: per MoE layer the counts, then 4 exchanges of the rows this
-      // rank sends (T·k assignments less the dropped, here none or few).
-      const double rows = static_cast<double>(local * a.seq * a.top_k);
-      const double balanced =
-          dense || ep == 1 ? 0.0 : static_cast<double>(moe_layers) * (8.0 * a.experts + 4.0 * rows * h * 4);
-      double params = 0;
-      for (const auto& [name, p] : r.gpt->placements()) {
-        double numel = 1;
-        for (int64_t d : p.full_shape) numel *= static_cast<double>(d);
-        params += numel;
-      }
-      const double active =
-          dense ? params
-                : params - static_cast<double>(moe_layers) * static_cast<double>(a.experts - a.top_k) * mlp_params;
-      if (rank == 0) {
+  // Balance over training, with and without the load-balancing loss.
+  for (double coef : {1e-2, 0.0}) {
+    Run r = make_run(world, a, eps.back(), a.experts, coef);
+    for (int64_t step = 0; step < a.train_steps; ++step) {
+      auto [x, y] = batch(a, 5000 + static_cast<uint64_t>(step));
+      const auto st = r.trainer->train_step(local_rows(x), local_rows(y));
+      if (rank == 0 && (step % 5 == 0 || step + 1 == a.train_steps)) {
+        const auto stats = r.gpt->moe_stats();
         fmt::print(
-            "{{\"bench\": \"moe\", \"model\": \"{}\", \"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, "
-            "\"ep\": {}, \"experts\": {}, \"top_k\": {}, \"moe_every\": {}, \"capacity\": {}, \"step_ms\": {:.2f}, "
-            "\"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, \"a2a_balanced_bytes\": {:.0f}, "
-            "\"max_over_mean\": {:.3f}, \"params\": {:.0f}, \"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
-            dense ? "dense" : "moe", a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, dense ? 0 : ep,
-            dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, step_ms, a.batch * a.seq / (step_ms / 1000.0),
-            a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt), params, active, initial);
+            "{{\"bench\": \"moe_balance\", \"ep\": {}, \"aux_loss_coef\": {}, \"step\": {}, \"loss\": {:.4f}, "
+            "\"aux_loss\": {:.4f}, \"max_over_mean\": {:.3f}, \"tokens_per_expert\": [{}]}}\n",
+            eps.back(), coef, step, st.loss, stats.front().aux_loss, max_over_mean(*r.gpt),
+            fmt::join(stats.front().tokens_per_expert, ", "));
         std::fflush(stdout);
       }
     }
+  }
+  return 0;
+}
 
-    // Balance over training, with and without the load-balancing loss.
-    for (double coef : {1e-2, 0.0}) {
-      Run r = make_run(world, a, eps.back(), a.experts, coef);
-      for (int64_t step = 0; step < a.train_steps; ++step) {
-        auto [x, y] = batch(a, 5000 + static_cast<uint64_t>(step));
-        const auto st = r.trainer->train_step(local_rows(x), local_rows(y));
-        if (rank == 0 && (step % 5 == 0 || step + 1 == a.train_steps)) {
-          const auto stats = r.gpt->moe_stats();
-          fmt::print(
-              "{{\"bench\": \"moe_balance\", \"ep\": {}, \"aux_loss_coef\": {}, \"step\": {}, \"loss\": {:.4f}, "
-              "\"aux_loss\": {:.4f}, \"max_over_mean\": {:.3f}, \"tokens_per_expert\": [{}]}}\n",
-              eps.back(), coef, step, st.loss, stats.front().aux_loss, max_over_mean(*r.gpt),
-              fmt::join(stats.front().tokens_per_expert, ", "));
-          std::fflush(stdout);
-        }
-      }
-    }
-  });
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a); });
 }

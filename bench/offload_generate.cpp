@@ -17,12 +17,14 @@
 // the disk reads hidden behind compute, the largest logit difference, and
 // the read-bound rate (bytes per token over the measured read bandwidth).
 //
-//   offload_generate [--dir DIR] [--layers 24] [--hidden 1024] [--heads 16]
-//       [--vocab 50257] [--context 1024] [--prompt 8] [--tokens 16]
-//       [--fraction 0.25] [--tp 0] [--keep 0] [--generate PATH]
+//   offload_generate --dir /scratch/og --tp 2
 //
-// Not an MPI program itself: it launches tessera_generate (and mpirun for --tp).
-#include <tessera/train/safetensors.h>
+// Every option and its default: offload_generate --help (docs/cli.md).
+// Not an MPI program itself: it launches tessera_generate (and mpirun for
+// --tp), so its options are parsed without examples/example_main.h's frame,
+// which starts MPI.
+#include <tessera/core/cli.h>
+#include <tessera/core/safetensors.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -85,47 +87,59 @@ Json run(const std::string& command, const std::string& out) {
 }
 
 double max_difference(const std::string& a, const std::string& b) {
-  tessera::train::SafetensorsFile fa(a), fb(b);
+  tessera::SafetensorsFile fa(a), fb(b);
   double worst = 0;
   for (const auto& name : fa.names())
     worst = std::max(worst, (fa.read(name) - fb.read(name)).abs().max().item<double>());
   return worst;
 }
 
-int main_body(int argc, char** argv) {
-  std::map<std::string, std::string> a = {{"dir", "/tmp/tessera_offload_generate"},
-                                          {"layers", "24"},
-                                          {"hidden", "1024"},
-                                          {"heads", "16"},
-                                          {"vocab", "50257"},
-                                          {"context", "1024"},
-                                          {"prompt", "8"},
-                                          {"tokens", "16"},
-                                          {"fraction", "0.25"},
-                                          {"tp", "0"},
-                                          {"keep", "0"},
-                                          {"generate", TESSERA_GENERATE_PATH}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string key = std::string(argv[i]).substr(2);
-    TORCH_CHECK(std::string(argv[i]).rfind("--", 0) == 0 && a.count(key), "offload_generate: unknown flag ", argv[i]);
-    a[key] = argv[i + 1];
-  }
-  auto num = [&](const char* k) { return std::stoll(a[k]); };
-  fs::create_directories(a["dir"]);
-  const std::string weights = a["dir"] + "/gpt.safetensors";
+struct Args {
+  std::string dir = "/tmp/tessera_offload_generate";
+  int64_t layers = 24, hidden = 1024, heads = 16, vocab = 50257, context = 1024, prompt = 8, tokens = 16;
+  double fraction = 0.25;
+  int64_t tp = 0, keep = 0;
+  std::string generate = TESSERA_GENERATE_PATH;
+};
+
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("offload_generate",
+                          "tessera_generate on a GPT 4x the memory budget: peak memory, tokens/s and logits against "
+                          "the weights in memory");
+  c.group("Model");
+  c.add("layers", &a.layers, "GPT blocks of the random GPT");
+  c.add("hidden", &a.hidden, "hidden size");
+  c.add("heads", &a.heads, "attention heads");
+  c.add("vocab", &a.vocab, "vocabulary");
+  c.add("context", &a.context, "context length: rows of the position embedding");
+  c.group("Runs");
+  c.add("prompt", &a.prompt, "tokens in the prompt");
+  c.add("tokens", &a.tokens, "tokens to generate (greedy)");
+  c.add("fraction", &a.fraction, "the memory budget as a fraction of the weights' bytes");
+  c.add("tp", &a.tp, "ranks of the tensor-parallel run under mpirun; 0 or 1: no such run");
+  c.group("Files");
+  c.add("dir", &a.dir, "directory of the weights file, the outputs and the logits");
+  c.add("keep", &a.keep, "1: keep --dir afterwards; 0: remove it");
+  c.add("generate", &a.generate, "the tessera_generate binary");
+  return c;
+}
+
+int main_body(const Args& a) {
+  fs::create_directories(a.dir);
+  const std::string weights = a.dir + "/gpt.safetensors";
   int64_t bytes = 0;
   {
-    auto w = random_gpt(num("layers"), num("hidden"), num("vocab"), num("context"));
+    auto w = random_gpt(a.layers, a.hidden, a.vocab, a.context);
     for (const auto& t : w) bytes += t.second.numel() * 4;
     if (!fs::exists(weights) || static_cast<int64_t>(fs::file_size(weights)) < bytes)
-      tessera::train::write_safetensors(
-          weights, w, {{"tessera.checkpoint_metadata", fmt::format(R"({{"gpt": {{"heads": {}}}}})", num("heads"))}});
+      tessera::write_safetensors(
+          weights, w, {{"tessera.checkpoint_metadata", fmt::format(R"({{"gpt": {{"heads": {}}}}})", a.heads)}});
   }
-  const int64_t budget = static_cast<int64_t>(static_cast<double>(bytes) * std::stod(a["fraction"]));
+  const int64_t budget = static_cast<int64_t>(static_cast<double>(bytes) * a.fraction);
   std::string prompt;
-  for (int64_t i = 0; i < num("prompt"); ++i) prompt += (i ? "," : "") + std::to_string((i * 7919) % num("vocab"));
+  for (int64_t i = 0; i < a.prompt; ++i) prompt += (i ? "," : "") + std::to_string((i * 7919) % a.vocab);
   const std::string common = fmt::format(" --weights {} --prompt {} --tokens {} --temperature 0 --logits-out ",
-                                         weights, prompt, num("tokens"));
+                                         weights, prompt, a.tokens);
   struct Run {
     std::string name, launcher, flags;
   };
@@ -135,16 +149,16 @@ int main_body(int argc, char** argv) {
                            {"budget_prefetch_disk", "", fmt::format(" --max-memory {} --stream --drop-cache", budget)},
                            {"budget_no_prefetch_disk", "",
                             fmt::format(" --max-memory {} --stream --no-prefetch --drop-cache", budget)}};
-  if (num("tp") > 1)
-    runs.push_back({fmt::format("budget_prefetch_tp{}", num("tp")),
-                    fmt::format("mpirun -np {} --oversubscribe ", num("tp")),
+  if (a.tp > 1)
+    runs.push_back({fmt::format("budget_prefetch_tp{}", a.tp),
+                    fmt::format("mpirun -np {} --oversubscribe ", a.tp),
                     fmt::format(" --max-memory {} --stream", budget)});
   Json summary = {{"bench", "offload_generate"}, {"weights_bytes", bytes}, {"budget_bytes", budget}};
   for (const auto& r : runs) {
-    const std::string logits = a["dir"] + "/" + r.name + ".logits.safetensors";
-    Json j = run(r.launcher + a["generate"] + common + logits + r.flags, a["dir"] + "/" + r.name + ".out");
+    const std::string logits = a.dir + "/" + r.name + ".logits.safetensors";
+    Json j = run(r.launcher + a.generate + common + logits + r.flags, a.dir + "/" + r.name + ".out");
     j["run"] = r.name;
-    j["max_logit_difference_vs_in_memory"] = max_difference(logits, a["dir"] + "/in_memory.logits.safetensors");
+    j["max_logit_difference_vs_in_memory"] = max_difference(logits, a.dir + "/in_memory.logits.safetensors");
     j["peak_rss_within_budget"] = r.name == "in_memory" ? Json(nullptr) : Json(j["peak_rss_bytes"] <= budget);
     // Streamed, a token reads every weight: the rate the measured read bandwidth allows.
     const double bandwidth = j["read_s"].get<double>() > 0 ? j["bytes_read"].get<double>() / j["read_s"].get<double>() : 0;
@@ -157,15 +171,22 @@ int main_body(int argc, char** argv) {
                        {"max_logit_difference", j["max_logit_difference_vs_in_memory"]}};
   }
   fmt::print("{}\n", summary.dump());
-  if (num("keep") == 0) fs::remove_all(a["dir"]);
+  if (a.keep == 0) fs::remove_all(a.dir);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  tessera::cli::Command c = command(a);
   try {
-    return main_body(argc, argv);
+    const tessera::cli::Parsed parsed = c.parse(argc, argv);
+    if (!parsed.run) {
+      fmt::print("{}", parsed.text);
+      return 0;
+    }
+    return main_body(a);
   } catch (const c10::Error& e) {
     fmt::print(stderr, "offload_generate: error: {}\n", e.what_without_backtrace());
     return 1;

@@ -19,11 +19,14 @@
 //   initial_loss       against a plain LibTorch GPT (bench/baseline_gpt.h)
 //                      loaded with the same full weights
 //
-//   mpirun -np 8 tp_modes [--layers 4] [--hidden 256] [--heads 8] [--seq 64]
-//       [--batch 16] [--vocab 8192] [--steps 2] [--warmup 1] [--rounds 3]
+//   mpirun -np 8 tp_modes --layers 4 --hidden 256 --heads 8 --seq 64 --batch 16
+//
+// Every option and its default: tp_modes --help (docs/cli.md). It chooses
+// the grid of every mode itself, so it has no grid options.
 #include "baseline_gpt.h"
 #include "bench_util.h"
 #include "counting_allocator.h"
+#include "example_main.h"
 
 #include <tessera/models/gpt.h>
 #include <tessera/tessera.h>
@@ -31,6 +34,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -44,6 +48,24 @@ struct Args {
   int64_t layers = 4, hidden = 256, heads = 8, seq = 64, batch = 16, vocab = 8192;
   int64_t steps = 2, warmup = 1, rounds = 3;
 };
+
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("tp_modes",
+                          "the same GPT step in every tensor-parallel mode that fits the world: time, bytes, peers, "
+                          "memory");
+  c.group("Model");
+  c.add("layers", &a.layers, "GPT blocks");
+  c.add("hidden", &a.hidden, "hidden size");
+  c.add("heads", &a.heads, "attention heads");
+  c.add("seq", &a.seq, "tokens per sequence");
+  c.add("batch", &a.batch, "sequences per step, split over the data ranks of each mode");
+  c.add("vocab", &a.vocab, "vocabulary");
+  c.group("Timing");
+  c.add("steps", &a.steps, "timed steps per round");
+  c.add("warmup", &a.warmup, "untimed steps before the rounds");
+  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  return c;
+}
 
 struct Mode {
   std::string name;
@@ -133,119 +155,111 @@ double wire(tessera::comm::OpType op, int n, double bytes) {
   return bytes;
 }
 
+int run(const Args& a) {
+  auto trace = std::make_shared<tessera::comm::CommTrace>();
+  auto world =
+      std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
+  const int rank = world->rank();
+  auto& memory = tessera::test::CountingAllocator::instance();
+  tessera::test::CountingScope counting;
+  tessera::models::GPTConfig config;
+  config.vocab(a.vocab);
+  config.context(a.seq);
+  config.layers(a.layers);
+  config.heads(a.heads);
+  config.hidden(a.hidden);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const at::Tensor ids = at::randint(a.vocab, {a.batch, a.seq}, gen, at::kLong);
+  const at::Tensor targets = at::randint(a.vocab, {a.batch, a.seq}, gen, at::kLong);
+
+  for (const Mode& mode : modes_for(world->size())) {
+    auto ctx = tessera::context::ParallelContext::create(world, mode.config);
+    const auto& c = ctx->config();
+    auto data = ctx->comm(ParallelMode::kData);
+    const int64_t local_batch = a.batch / c.data();
+    TORCH_CHECK(a.batch % c.data() == 0, "--batch ", a.batch, " does not split over the data size ", c.data(),
+                " of mode ", mode.name);
+    const at::Tensor x = ids.narrow(0, data->rank() * local_batch, local_batch);
+    const at::Tensor y = targets.narrow(0, data->rank() * local_batch, local_batch);
+
+    torch::manual_seed(0);
+    auto gpt = std::make_shared<tessera::models::GPTImpl>(config, tessera::nn::make_layer_factory(ctx));
+    const tessera::nn::NamedPlacements placements = gpt->placements();
+    baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
+    base->load(gpt->full_state());
+    const double base_first = base->loss(x, y).item<double>();
+    const double first = gpt->loss(gpt->forward(x), y).item<double>();
+
+    auto sharded = std::make_shared<tessera::parallel::ShardedModule>(
+        gpt, ctx, tessera::parallel::ShardedModuleOptions().placements(placements));
+    tessera::parallel::ShardedOptimizer opt(
+        sharded, std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-4)));
+    auto step = [&] {
+      opt.zero_grad();
+      sharded->run([&] { return gpt->loss(gpt->forward(x), y); }).backward();
+      opt.step();
+    };
+    const double step_ms = bench::time_ms(step, {int(a.steps), int(a.warmup), int(a.rounds)});
+
+    // One more step, traced and counted.
+    trace->reset();
+    const int64_t live_before = memory.live();
+    memory.reset_peak();
+    step();
+    const int64_t peak = memory.peak();
+
+    Volume expected = model_volume(ctx, a, local_batch);
+    int64_t local_numel = 0;
+    for (const auto& [name, p] : placements) {
+      local_numel += p.param.numel();
+      for (const auto& g : p.gradient_groups())
+        expected[{g->name(), tessera::comm::OpType::kAllReduce}] += p.param.numel();
+    }
+    if (c.data() > 1) expected[{data->name(), tessera::comm::OpType::kAllReduce}] += local_numel;
+    std::map<std::string, int> group_size;
+    std::map<std::string, ParallelMode> mode_of;
+    for (ParallelMode m : tessera::context::all_modes()) {
+      if (!ctx->has(m)) continue;
+      group_size[ctx->comm(m)->name()] = ctx->size(m);
+      mode_of.emplace(ctx->comm(m)->name(), m);
+    }
+    double analytical = 0, analytical_wire = 0;
+    for (const auto& [key, elements] : expected) {
+      analytical += 4.0 * elements;
+      analytical_wire += wire(key.second, group_size.at(key.first), 4.0 * elements);
+    }
+    std::set<int> peers, bulk;
+    std::map<std::string, int64_t> group_bytes;
+    for (const auto& [key, record] : trace->snapshot()) group_bytes[key.first] += record.bytes;
+    for (const auto& [group, bytes] : group_bytes) {
+      auto it = mode_of.find(group);
+      if (it == mode_of.end() || bytes == 0) continue;
+      for (int r : ctx->grid().group_of(it->second, ctx->global_rank())) {
+        if (r == ctx->global_rank()) continue;
+        peers.insert(r);
+        if (bytes > 8) bulk.insert(r);
+      }
+    }
+    const auto total = trace->total();
+    if (rank == 0) {
+      fmt::print(
+          "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, \"mode\": \"{}\", \"grid\": \"{}\", "
+          "\"step_ms\": {:.2f}, \"traced_bytes\": {}, \"analytical_bytes\": {:.0f}, \"wire_bytes\": {:.0f}, "
+          "\"analytical_wire_bytes\": {:.0f}, \"peers\": {}, \"peers_bulk\": {}, \"model_state_bytes\": {}, "
+          "\"peak_bytes\": {}, \"peak_rise_bytes\": {}, \"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}}}\n",
+          a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, world->size(), mode.name,
+          tessera::context::to_string(c), step_ms, total.bytes, analytical, total.bus_bytes, analytical_wire,
+          peers.size(), bulk.size(), 16 * local_numel, peak, peak - live_before, first, base_first);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_main(&argc, &argv, "tp_modes", [&](int rank) {
-    Args a;
-    bench::parse_flags(argc, argv,
-                       {{"--layers", &a.layers},
-                        {"--hidden", &a.hidden},
-                        {"--heads", &a.heads},
-                        {"--seq", &a.seq},
-                        {"--batch", &a.batch},
-                        {"--vocab", &a.vocab},
-                        {"--steps", &a.steps},
-                        {"--warmup", &a.warmup},
-                        {"--rounds", &a.rounds}},
-                       {}, "the comment at the top of bench/tp_modes.cpp");
-    for (const char* flag : {"--dp", "--pp", "--tp", "--tp-mode", "--tp-depth", "--sp", "--ep"})
-      TORCH_CHECK(!bench::flag_given(argc, argv, flag), "tp_modes chooses the grid of every mode itself; drop ", flag);
-    auto trace = std::make_shared<tessera::comm::CommTrace>();
-    auto world =
-        std::make_shared<tessera::comm::TracingCommunicator>(tessera::comm::make_world_communicator(), trace);
-    auto& memory = tessera::test::CountingAllocator::instance();
-    tessera::test::CountingScope counting;
-    tessera::models::GPTConfig config;
-    config.vocab = a.vocab;
-    config.context = a.seq;
-    config.layers = a.layers;
-    config.heads = a.heads;
-    config.hidden = a.hidden;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-    const at::Tensor ids = at::randint(a.vocab, {a.batch, a.seq}, gen, at::kLong);
-    const at::Tensor targets = at::randint(a.vocab, {a.batch, a.seq}, gen, at::kLong);
-
-    for (const Mode& mode : modes_for(world->size())) {
-      auto ctx = tessera::context::ParallelContext::create(world, mode.config);
-      const auto& c = ctx->config();
-      auto data = ctx->comm(ParallelMode::kData);
-      const int64_t local_batch = a.batch / c.data();
-      TORCH_CHECK(a.batch % c.data() == 0, "--batch ", a.batch, " does not split over the data size ", c.data(),
-                  " of mode ", mode.name);
-      const at::Tensor x = ids.narrow(0, data->rank() * local_batch, local_batch);
-      const at::Tensor y = targets.narrow(0, data->rank() * local_batch, local_batch);
-
-      torch::manual_seed(0);
-      auto gpt = std::make_shared<tessera::models::GPTImpl>(config, tessera::nn::make_layer_factory(ctx));
-      const tessera::nn::NamedPlacements placements = gpt->placements();
-      baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
-      base->load(gpt->full_state());
-      const double base_first = base->loss(x, y).item<double>();
-      const double first = gpt->loss(gpt->forward(x), y).item<double>();
-
-      auto sharded = std::make_shared<tessera::parallel::ShardedModule>(
-          gpt, ctx, tessera::parallel::ShardedModuleOptions().placements(placements));
-      tessera::parallel::ShardedOptimizer opt(
-          sharded, std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-4)));
-      auto step = [&] {
-        opt.zero_grad();
-        sharded->run([&] { return gpt->loss(gpt->forward(x), y); }).backward();
-        opt.step();
-      };
-      const double step_ms = bench::time_ms(step, {int(a.steps), int(a.warmup), int(a.rounds)});
-
-      // One more step, traced and counted.
-      trace->reset();
-      const int64_t live_before = memory.live();
-      memory.reset_peak();
-      step();
-      const int64_t peak = memory.peak();
-
-      Volume expected = model_volume(ctx, a, local_batch);
-      int64_t local_numel = 0;
-      for (const auto& [name, p] : placements) {
-        local_numel += p.param.numel();
-        for (const auto& g : p.gradient_groups())
-          expected[{g->name(), tessera::comm::OpType::kAllReduce}] += p.param.numel();
-      }
-      if (c.data() > 1) expected[{data->name(), tessera::comm::OpType::kAllReduce}] += local_numel;
-      std::map<std::string, int> group_size;
-      std::map<std::string, ParallelMode> mode_of;
-      for (ParallelMode m : tessera::context::all_modes()) {
-        if (!ctx->has(m)) continue;
-        group_size[ctx->comm(m)->name()] = ctx->size(m);
-        mode_of.emplace(ctx->comm(m)->name(), m);
-      }
-      double analytical = 0, analytical_wire = 0;
-      for (const auto& [key, elements] : expected) {
-        analytical += 4.0 * elements;
-        analytical_wire += wire(key.second, group_size.at(key.first), 4.0 * elements);
-      }
-      std::set<int> peers, bulk;
-      std::map<std::string, int64_t> group_bytes;
-      for (const auto& [key, record] : trace->snapshot()) group_bytes[key.first] += record.bytes;
-      for (const auto& [group, bytes] : group_bytes) {
-        auto it = mode_of.find(group);
-        if (it == mode_of.end() || bytes == 0) continue;
-        for (int r : ctx->grid().group_of(it->second, ctx->global_rank())) {
-          if (r == ctx->global_rank()) continue;
-          peers.insert(r);
-          if (bytes > 8) bulk.insert(r);
-        }
-      }
-      const auto total = trace->total();
-      if (rank == 0) {
-        fmt::print(
-            "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, \"mode\": \"{}\", \"grid\": \"{}\", "
-            "\"step_ms\": {:.2f}, \"traced_bytes\": {}, \"analytical_bytes\": {:.0f}, \"wire_bytes\": {:.0f}, "
-            "\"analytical_wire_bytes\": {:.0f}, \"peers\": {}, \"peers_bulk\": {}, \"model_state_bytes\": {}, "
-            "\"peak_bytes\": {}, \"peak_rise_bytes\": {}, \"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}}}\n",
-            a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, world->size(), mode.name,
-            tessera::context::to_string(c), step_ms, total.bytes, analytical, total.bus_bytes, analytical_wire,
-            peers.size(), bulk.size(), 16 * local_numel, peak, peak - live_before, first, base_first);
-        std::fflush(stdout);
-      }
-    }
-  });
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a); });
 }

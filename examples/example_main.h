@@ -1,8 +1,10 @@
 #pragma once
-// The frame every example's main() shares: MPI's lifetime, one thread per
-// rank, and errors turned into a message and a non-zero exit on every rank,
-// never a hang (Note [One rank's error]).
+// The frame every command's main() shares (the examples' and the
+// benchmarks'): its options parsed before MPI starts, MPI's lifetime, one
+// thread per rank, and errors turned into a message and a non-zero exit on
+// every rank, never a hang (Note [One rank's error]).
 #include <tessera/comm/mpi_runtime.h>
+#include <tessera/core/cli.h>
 #include <tessera/core/threads.h>
 
 #include <c10/util/Exception.h>
@@ -10,6 +12,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <string>
@@ -64,6 +67,35 @@ inline int run_example(int argc, char** argv, const char* name, const std::funct
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 1);
   return 1;
+}
+
+// This process's rank as the launcher numbered it (0 without a launcher):
+// read before MPI starts.
+inline int launcher_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  return 0;
+}
+
+// Note [Options before MPI]
+// The command's options are parsed before MPI starts: --help and --version
+// answer without mpirun (once, from rank 0, under it), and a bad option
+// costs no MPI start-up. Every rank parses the same argv and files, so a
+// refusal is the same on every rank: rank 0 prints it and every rank exits
+// with status 1.
+inline int run_command(int argc, char** argv, tessera::cli::Command& command, const std::function<int()>& body) {
+  tessera::cli::Parsed parsed;
+  try {
+    parsed = command.parse(argc, argv);
+  } catch (const c10::Error& e) {
+    if (launcher_rank() == 0) fmt::print(stderr, "{}: error: {}\n", command.name(), e.what_without_backtrace());
+    return 1;
+  }
+  if (!parsed.run) {
+    if (launcher_rank() == 0) fmt::print("{}", parsed.text);
+    return 0;
+  }
+  return run_example(argc, argv, command.name().c_str(), [&](int, char**) { return body(); });
 }
 
 }  // namespace tessera_examples

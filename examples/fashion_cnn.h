@@ -5,6 +5,7 @@
 // which is a plain call until a ShardedModule wraps the model; the stem and
 // the head are outside every unit (they stay gathered under ZeRO-3).
 // docs/data-parallel.md shows the two training loops side by side.
+#include <tessera/core/cli.h>
 #include <tessera/parallel/unit_host.h>
 
 #include <c10/util/Exception.h>
@@ -69,32 +70,24 @@ struct Args {
   double lr = 0.05;
 };
 
-// --data DIR (uncompressed idx files) [--epochs N] [--batch B] [--lr LR]
-// [--seed S] [--limit N: the first N training images] [--width W] [--spec S]
-inline Args parse_args(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; i += 2) {
-    const std::string f = argv[i];
-    TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value; see examples/fashion_cnn.h");
-    const std::string v = argv[i + 1];
-    try {
-      if (f == "--data") a.data = v;
-      else if (f == "--spec") a.spec = v;
-      else if (f == "--batch") a.batch = std::stoll(v);
-      else if (f == "--epochs") a.epochs = std::stoll(v);
-      else if (f == "--seed") a.seed = std::stoll(v);
-      else if (f == "--limit") a.limit = std::stoll(v);
-      else if (f == "--width") a.width = std::stoll(v);
-      else if (f == "--lr") a.lr = std::stod(v);
-      else TORCH_CHECK(false, "unknown flag ", f, "; see examples/fashion_cnn.h");
-    } catch (const std::logic_error&) {
-      TORCH_CHECK(false, "flag ", f, " takes a number, got '", v, "'");
-    }
-  }
+// The options both programs take (every one: train_cnn --help).
+inline tessera::cli::Command command(Args& a, const std::string& name, const std::string& summary) {
+  tessera::cli::Command c(name, summary);
+  c.add("data", &a.data, "directory of the uncompressed Fashion-MNIST idx files (required)");
+  c.add("epochs", &a.epochs, "passes over the training set");
+  c.add("batch", &a.batch, "global batch");
+  c.add("lr", &a.lr, "SGD learning rate (momentum 0.9, halved every epoch)");
+  c.add("seed", &a.seed, "initial weights and data order");
+  c.add("limit", &a.limit, "train on the first N images only; 0: all");
+  c.add("width", &a.width, "channels of the first block");
+  c.add("spec", &a.spec, "sharding spec (train_cnn)");
+  return c;
+}
+
+inline void check(const Args& a) {
   TORCH_CHECK(!a.data.empty(), "--data DIR is required (the uncompressed Fashion-MNIST idx files)");
   TORCH_CHECK(a.batch >= 1 && a.epochs >= 1 && a.limit >= 0 && a.width >= 1,
               "--batch, --epochs and --width must be >= 1 and --limit >= 0");
-  return a;
 }
 
 // Normalized images [N, 1, 28, 28] and labels.

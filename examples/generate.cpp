@@ -6,33 +6,16 @@
 //   tessera_generate --weights gpt.safetensors --max-memory 512M --tokens 64 --prompt-text "Once"
 //   mpirun -np 2 tessera_generate --weights ckpt/final --prompt 1,2,3 --temperature 0 --out gen.json
 //
-// Flags (defaults in brackets):
-//   --weights PATH        safetensors file or checkpoint directory (required)
-//   --heads N             attention heads, when the weights' metadata does not say
-//   --prompt IDS          token ids, comma-separated [0]
-//   --prompt-text TEXT    the prompt as bytes (byte-level vocabularies of 256, as train_gpt's)
-//   --tokens N            tokens to generate [32]
-//   --batch B             sequences, each from the same prompt [1]
-//   --temperature T       0: greedy [0.8]
-//   --top-k K             sample among the K most likely; 0: all [0]
-//   --seed S              [1]
-//   --max-memory SIZE     per process, e.g. 300M, 2G; 0: no limit [0]
-//   --stream              stream the weights even when the budget holds them all
-//   --no-prefetch         read each layer when it is needed, not ahead
-//   --buffers K           streaming buffers with prefetch; refused with --no-prefetch [2]
-//   --io-threads N        reader threads per file [2]
-//   --drop-cache          drop what was read from the page cache: every read goes to the disk
-//   --out FILE            the tokens, text and measurements as JSON (written atomically)
-//   --logits-out FILE     every step's logits as safetensors ("step.N" [batch, vocab])
+// Every option and its default: tessera_generate --help (docs/cli.md).
 // Rank 0 prints one JSON line of measurements; the peak resident memory is
 // the largest over the ranks.
 #include "example_main.h"
 
 #include <tessera/comm/factory.h>
 #include <tessera/core/process_memory.h>
-#include <tessera/train/atomic_file.h>
-#include <tessera/train/generation.h>
-#include <tessera/train/safetensors.h>
+#include <tessera/core/atomic_file.h>
+#include <tessera/infer/streamed_gpt.h>
+#include <tessera/core/safetensors.h>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -75,75 +58,83 @@ std::vector<int64_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-int run(int argc, char** argv) {
-  std::map<std::string, std::string> a = {
-      {"weights", ""}, {"heads", "0"},        {"prompt", "0"},       {"prompt-text", ""}, {"tokens", "32"},
-      {"batch", "1"},  {"temperature", "0.8"}, {"top-k", "0"},        {"seed", "1"},       {"max-memory", "0"},
-      {"buffers", "0"}, {"io-threads", "2"},  {"out", ""},           {"logits-out", ""}};
-  bool stream = false, prefetch = true, drop_cache = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    TORCH_CHECK(flag.rfind("--", 0) == 0, "expected a flag, got '", flag, "'; see examples/generate.cpp");
-    const std::string key = flag.substr(2);
-    if (key == "stream" || key == "no-prefetch" || key == "drop-cache") {
-      (key == "stream" ? stream : key == "drop-cache" ? drop_cache : prefetch) = key != "no-prefetch";
-      continue;
-    }
-    TORCH_CHECK(a.count(key), "unknown flag ", flag, "; see the comment at the top of examples/generate.cpp");
-    TORCH_CHECK(i + 1 < argc, flag, " needs a value");
-    a[key] = argv[++i];
-  }
-  TORCH_CHECK(!a["weights"].empty(), "--weights is required: a safetensors file or a checkpoint directory");
-  auto number = [&](const std::string& key) {
-    try {
-      return std::stod(a[key]);
-    } catch (const std::exception&) {
-      TORCH_CHECK(false, "--", key, " takes a number, got '", a[key], "'");
-    }
-  };
-  const int64_t max_memory = parse_size(a["max-memory"]);
+struct Args {
+  std::string weights, prompt = "0", prompt_text, out, logits_out;
+  int64_t heads = 0, tokens = 32, batch = 1, top_k = 0, max_memory = 0, buffers = 0, io_threads = 2;
+  uint64_t seed = 1;
+  double temperature = 0.8;
+  bool stream = false, no_prefetch = false, drop_cache = false;
+};
+
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("tessera_generate", "text from a GPT whose weights stay on disk, under a memory budget");
+  c.add("weights", &a.weights, "a safetensors file or a checkpoint directory (required)");
+  c.add("heads", &a.heads, "attention heads, when the weights' metadata does not say; 0: the metadata's");
+  c.add("prompt", &a.prompt, "token ids, comma-separated");
+  c.add("prompt-text", &a.prompt_text, "the prompt as bytes (byte-level vocabularies of 256, as train_gpt's)");
+  c.add("tokens", &a.tokens, "tokens to generate");
+  c.add("batch", &a.batch, "sequences, each from the same prompt");
+  c.add("temperature", &a.temperature, "sampling temperature; 0: greedy");
+  c.add("top-k", &a.top_k, "sample among the k most likely tokens; 0: all");
+  c.add("seed", &a.seed, "the sampler's seed");
+  c.add("max-memory", &a.max_memory, "bytes per process, e.g. 300M or 2G (K, M, G: powers of 1024); 0: no limit",
+        "SIZE", parse_size, [](int64_t v) { return std::to_string(v); });
+  c.add("stream", &a.stream, "stream the weights even when the budget holds them all");
+  c.add("no-prefetch", &a.no_prefetch, "read each layer when it is needed, not ahead");
+  c.add("buffers", &a.buffers, "streaming buffers with prefetch; 0: 2 (refused with --no-prefetch)");
+  c.add("io-threads", &a.io_threads, "reader threads per file");
+  c.add("drop-cache", &a.drop_cache, "drop what was read from the page cache: every read goes to the disk");
+  c.add("out", &a.out, "the tokens, text and measurements as JSON (written atomically)");
+  c.add("logits-out", &a.logits_out, "every step's logits as safetensors (\"step.N\" [batch, vocab])");
+  return c;
+}
+
+int run(const Args& a) {
+  TORCH_CHECK(!a.weights.empty(), "--weights is required: a safetensors file or a checkpoint directory");
+  const int64_t max_memory = a.max_memory;
+  const bool prefetch = !a.no_prefetch, drop_cache = a.drop_cache;
   auto world = tessera::comm::make_world_communicator();
-  auto weights = std::make_shared<tessera::train::StoredWeights>(
-      a["weights"], tessera::train::StoredWeightsOptions{static_cast<int>(number("io-threads")), "model/", drop_cache});
+  auto weights = std::make_shared<tessera::infer::StoredWeights>(
+      a.weights, tessera::infer::StoredWeightsOptions().io_threads(static_cast<int>(a.io_threads)).drop_cache(drop_cache));
   std::vector<int64_t> prompt_ids;
-  if (!a["prompt-text"].empty()) {
-    for (unsigned char ch : a["prompt-text"]) prompt_ids.push_back(ch);
+  if (!a.prompt_text.empty()) {
+    for (unsigned char ch : a.prompt_text) prompt_ids.push_back(ch);
   } else {
-    prompt_ids = parse_ids(a["prompt"]);
+    prompt_ids = parse_ids(a.prompt);
   }
-  const int64_t batch = static_cast<int64_t>(number("batch")), tokens = static_cast<int64_t>(number("tokens"));
+  const int64_t batch = a.batch, tokens = a.tokens;
   const int64_t length = static_cast<int64_t>(prompt_ids.size()) + tokens;
-  const int64_t context = tessera::train::gpt_config_from_weights(*weights, static_cast<int64_t>(number("heads"))).context;
+  const int64_t context = tessera::infer::gpt_config_from_weights(*weights, a.heads).context();
   TORCH_CHECK(tokens >= 1 && length <= context, "the prompt's ", prompt_ids.size(), " tokens and ", tokens,
               " new ones must fit in the model's context of ", context, "; generate fewer (and at least one) tokens");
-  tessera::train::StreamedGPT model(weights, tessera::train::StreamedGPTOptions()
+  tessera::infer::StreamedGPT model(weights, tessera::infer::StreamedGPTOptions()
                                                  .max_memory(max_memory)
-                                                 .resident_if_fits(!stream)
+                                                 .resident_if_fits(!a.stream)
                                                  .prefetch(prefetch)
-                                                 .buffers(static_cast<int64_t>(number("buffers")))
+                                                 .buffers(a.buffers)
                                                  .batch(batch)
                                                  .max_length(length)
-                                                 .heads(static_cast<int64_t>(number("heads")))
+                                                 .heads(a.heads)
                                                  .group(world->size() > 1 ? world : nullptr));
   const auto& c = model.config();
   const bool rank0 = world->rank() == 0;
   if (rank0)
-    fmt::print(stderr, "tessera_generate: GPT {} layers, hidden {}, {} heads, vocab {} on {} rank(s); {}\n", c.layers,
-               c.hidden, c.heads, c.vocab, world->size(), model.plan().describe());
+    fmt::print(stderr, "tessera_generate: GPT {} layers, hidden {}, {} heads, vocab {} on {} rank(s); {}\n", c.layers(),
+               c.hidden(), c.heads(), c.vocab(), world->size(), model.plan().describe());
   const at::Tensor prompt = at::tensor(prompt_ids, at::kLong).unsqueeze(0).repeat({batch, 1});
   model.reset_stats();
-  const auto gen = tessera::train::generate(model, prompt, tokens,
-                                            tessera::train::SamplingOptions()
-                                                .temperature(number("temperature"))
-                                                .top_k(static_cast<int64_t>(number("top-k")))
-                                                .seed(static_cast<uint64_t>(number("seed"))),
-                                            !a["logits-out"].empty());
+  const auto gen = tessera::infer::generate(model, prompt, tokens,
+                                            tessera::infer::SamplingOptions()
+                                                .temperature(a.temperature)
+                                                .top_k(a.top_k)
+                                                .seed(a.seed),
+                                            !a.logits_out.empty());
   at::Tensor peak = at::full({1}, tessera::peak_resident_bytes(), at::kLong);
   world->control()->all_reduce(peak, {tessera::comm::ReduceOp::kMax})->wait();
   if (!rank0) return 0;
 
   const auto& st = model.stats();
-  Json out = {{"weights", a["weights"]},
+  Json out = {{"weights", a.weights},
               {"ranks", world->size()},
               {"parameters_bytes", model.plan().weight_bytes},
               {"resident", model.plan().resident},
@@ -165,24 +156,28 @@ int run(int argc, char** argv) {
     const at::Tensor row = gen.tokens[b].contiguous();
     rows.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
   }
-  if (c.vocab == 256)
+  if (c.vocab() == 256)
     for (int64_t id : rows[0]) text += static_cast<char>(id);
   fmt::print("{}\n", out.dump());
-  if (c.vocab == 256) fmt::print(stderr, "{}{}\n", a["prompt-text"], text);
-  if (!a["out"].empty()) {
+  if (c.vocab() == 256) fmt::print(stderr, "{}{}\n", a.prompt_text, text);
+  if (!a.out.empty()) {
     Json file = out;
     file["tokens"] = rows;
-    if (c.vocab == 256) file["text"] = text;
-    tessera::train::write_file_atomically(a["out"], file.dump(1) + "\n");
+    if (c.vocab() == 256) file["text"] = text;
+    tessera::write_file_atomically(a.out, file.dump(1) + "\n");
   }
-  if (!a["logits-out"].empty()) {
+  if (!a.logits_out.empty()) {
     std::vector<std::pair<std::string, at::Tensor>> steps;
     for (size_t i = 0; i < gen.logits.size(); ++i) steps.emplace_back("step." + std::to_string(i), gen.logits[i]);
-    tessera::train::write_safetensors(a["logits-out"], steps);
+    tessera::write_safetensors(a.logits_out, steps);
   }
   return 0;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "tessera_generate", run); }
+int main(int argc, char** argv) {
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a); });
+}

@@ -3,9 +3,8 @@
 // each result. `make demo` runs it on 8 ranks as dp2 x pp2 x tp2.
 //
 //   mpirun -np 8 tessera_demo --dp 2 --pp 2 --tp 2 [--tp-mode 2d ...]
-//   mpirun -np 8 tessera_demo --config parallel.json
-//   flags: --no-collectives (grid only), --check (TESSERA_CHECK_COLLECTIVES),
-//          --verbose (every rank's coordinates, groups and seeds)
+//   mpirun -np 8 tessera_demo --grid-config parallel.json
+// Every option: tessera_demo --help (docs/cli.md).
 #include <tessera/tessera.h>
 
 #include "example_main.h"
@@ -14,7 +13,6 @@
 
 #include <fmt/format.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -25,16 +23,23 @@ using tessera::comm::CommunicatorPtr;
 using tessera::comm::ReduceOp;
 using tessera::context::ParallelMode;
 
-bool has_flag(int argc, char** argv, const char* flag) {
-  for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return true;
-  return false;
-}
+struct Args {
+  tessera::context::ParallelConfig grid;
+  std::string grid_config;
+  bool check = false, verbose = false, no_collectives = false;
+};
 
-std::string flag_value(int argc, char** argv, const char* flag) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
-  return "";
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("tessera_demo", "the rank grid of a parallel layout, and every collective on every group");
+  c.group("Layout");
+  tessera::context::add_grid_options(c, a.grid);
+  c.add("seed", &a.grid.seed(), "base of every mode's seed");
+  c.add("grid-config", &a.grid_config, "the layout as a JSON ParallelConfig instead of the flags above");
+  c.group("Run");
+  c.add("check", &a.check, "every collective checked (as TESSERA_CHECK_COLLECTIVES=1)");
+  c.add("verbose", &a.verbose, "every rank's coordinates, groups and seeds");
+  c.add("no-collectives", &a.no_collectives, "the grid only");
+  return c;
 }
 
 // The grid as one table of coordinates and every mode's groups.
@@ -97,28 +102,29 @@ std::vector<std::string> exercise(Communicator& c, c10::ScalarType dtype) {
   return wrong;
 }
 
-int run(int argc, char** argv) {
+int run(const Args& a, const tessera::cli::Command& c) {
   auto world = tessera::comm::make_world_communicator(
       {tessera::comm::Backend::kMpi, c10::Device(c10::kCPU),
-       has_flag(argc, argv, "--check") || tessera::comm::WorldOptions::checked_mode_from_env(), nullptr});
+       a.check || tessera::comm::WorldOptions::checked_mode_from_env(), nullptr});
   const bool root = world->rank() == 0;
-  const std::string config_file = flag_value(argc, argv, "--config");
-  auto config = config_file.empty() ? tessera::context::config_from_args(argc, argv)
-                                    : tessera::context::config_from_json_file(config_file);
+  for (const char* grid_flag : {"dp", "pp", "tp", "tp-mode", "tp-depth", "sp", "sp-mode", "sp-split", "ep", "order", "seed"})
+    TORCH_CHECK(a.grid_config.empty() || !c.given(grid_flag), "--", grid_flag,
+                " with --grid-config: the file gives the whole layout; use one of them");
+  auto config = a.grid_config.empty() ? a.grid : tessera::context::config_from_json_file(a.grid_config);
   auto ctx = tessera::context::ParallelContext::create(world, config);
   if (root) {
     fmt::print("tessera {} on LibTorch {}, {} ranks, backend {}\n", TESSERA_VERSION, tessera::torch_version_string(),
                world->size(), world->backend());
     fmt::print("config: {}\n\n", tessera::context::to_string(ctx->config()));
   }
-  if (has_flag(argc, argv, "--verbose")) {
+  if (a.verbose) {
     std::string text;
     for (const auto& part : tessera::comm::all_gather_strings(*world, ctx->describe() + "\n")) text += part;
     if (root) fmt::print("{}", text);
   } else if (root) {
     print_grid(ctx->grid());
   }
-  if (has_flag(argc, argv, "--no-collectives")) return 0;
+  if (a.no_collectives) return 0;
 
   int failures = 0;
   for (auto mode : ctx->grid().modes()) {
@@ -144,4 +150,8 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "tessera_demo", run); }
+int main(int argc, char** argv) {
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return run(a, c); });
+}

@@ -18,8 +18,8 @@
 
 namespace {
 
-int train(int argc, char** argv) {
-  const fashion_cnn::Args a = fashion_cnn::parse_args(argc, argv);
+int train(const fashion_cnn::Args& a) {
+  fashion_cnn::check(a);
   auto world = tessera::comm::make_world_communicator();
   auto ctx = tessera::context::ParallelContext::create(world, tessera::context::ParallelConfig());
   TORCH_CHECK(a.batch % world->size() == 0, "--batch ", a.batch, " must be divisible by the number of ranks ",
@@ -65,4 +65,8 @@ int train(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "train_cnn", train); }
+int main(int argc, char** argv) {
+  fashion_cnn::Args a;
+  auto command = fashion_cnn::command(a, "train_cnn", "the custom CNN on Fashion-MNIST, data-parallel with any sharding spec");
+  return tessera_examples::run_command(argc, argv, command, [&] { return train(a); });
+}

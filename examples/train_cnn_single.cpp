@@ -2,7 +2,7 @@
 // in one process with plain LibTorch; train_cnn is the same program on
 // tessera (docs/data-parallel.md compares the two training loops).
 //
-//   train_cnn_single --data DIR [--epochs 2] [--batch 128] [--lr 0.05] [--limit N]
+//   train_cnn_single --data DIR [--epochs 2] [--batch 128] [--lr 0.05] [--limit N]   (train_cnn_single --help)
 #include "fashion_cnn.h"
 
 #include <fmt/format.h>
@@ -12,8 +12,8 @@
 
 namespace {
 
-int train(int argc, char** argv) {
-  const fashion_cnn::Args a = fashion_cnn::parse_args(argc, argv);
+int train(const fashion_cnn::Args& a) {
+  fashion_cnn::check(a);
   const auto [train_x, train_y] = fashion_cnn::load(a, true);
   const auto [test_x, test_y] = fashion_cnn::load(a, false);
   torch::manual_seed(a.seed);
@@ -49,8 +49,15 @@ int train(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  fashion_cnn::Args a;
+  auto command = fashion_cnn::command(a, "train_cnn_single", "the custom CNN on Fashion-MNIST in one process, plain LibTorch");
   try {
-    return train(argc, argv);
+    const auto parsed = command.parse(argc, argv);
+    if (!parsed.run) {
+      fmt::print("{}", parsed.text);
+      return 0;
+    }
+    return train(a);
   } catch (const c10::Error& e) {
     fmt::print(stderr, "train_cnn_single: error: {}\n", e.what_without_backtrace());
   }

@@ -34,58 +34,35 @@ namespace {
 struct Args {
   std::string data, optimizer = "adamw", spec = "zero2", batch_schedule;
   int64_t batch = 128, epochs = 15, seed = 1, min_rows_per_replica = 1;
-  bool batch_given = false, min_rows_given = false;
   double lr = 1e-3, warmup_epochs = 0, weight_decay = 0.01;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; i += 2) {
-    const std::string f = argv[i];
-    TORCH_CHECK(i + 1 < argc, "flag ", f,
-                " needs a value; see the comment at the top of examples/train_fashion_mnist.cpp");
-    const std::string v = argv[i + 1];
-    try {
-      if (f == "--data")
-        a.data = v;
-      else if (f == "--optimizer")
-        a.optimizer = v;
-      else if (f == "--spec")
-        a.spec = v;
-      else if (f == "--batch")
-        a.batch = std::stoll(v), a.batch_given = true;
-      else if (f == "--batch-schedule")
-        a.batch_schedule = v;
-      else if (f == "--min-rows-per-replica")
-        a.min_rows_per_replica = std::stoll(v), a.min_rows_given = true;
-      else if (f == "--epochs")
-        a.epochs = std::stoll(v);
-      else if (f == "--seed")
-        a.seed = std::stoll(v);
-      else if (f == "--lr")
-        a.lr = std::stod(v);
-      else if (f == "--warmup-epochs")
-        a.warmup_epochs = std::stod(v);
-      else if (f == "--weight-decay")
-        a.weight_decay = std::stod(v);
-      else
-        TORCH_CHECK(false, "unknown flag ", f, "; see the comment at the top of examples/train_fashion_mnist.cpp");
-    } catch (const std::logic_error&) {
-      TORCH_CHECK(false, "flag ", f, " takes a number, got '", v, "'");
-    }
-  }
+tessera::cli::Command command(Args& a) {
+  tessera::cli::Command c("train_fashion_mnist", "large-batch training of an MLP on Fashion-MNIST through train::Trainer");
+  c.add("data", &a.data, "directory of the uncompressed Fashion-MNIST idx files (required)");
+  c.add("optimizer", &a.optimizer, "the optimizer", {"adamw", "lamb", "lars"});
+  c.add("spec", &a.spec, "sharding spec");
+  c.add("batch", &a.batch, "global batch");
+  c.add("batch-schedule", &a.batch_schedule, "elastic: EPOCH:BATCH,... sets the batch from each epoch on");
+  c.add("min-rows-per-replica", &a.min_rows_per_replica, "elastic: the fewest rows a data replica trains");
+  c.add("epochs", &a.epochs, "passes over the training set");
+  c.add("seed", &a.seed, "initial weights and data order");
+  c.add("lr", &a.lr, "peak learning rate");
+  c.add("warmup-epochs", &a.warmup_epochs, "linear warm-up, in epochs");
+  c.add("weight-decay", &a.weight_decay, "weight decay");
+  return c;
+}
+
+void check(const Args& a, const tessera::cli::Command& c) {
   TORCH_CHECK(!a.data.empty(), "--data DIR is required (the uncompressed Fashion-MNIST idx files)");
   TORCH_CHECK(std::ifstream(a.data + "/train-images-idx3-ubyte").good(), "no file ", a.data,
               "/train-images-idx3-ubyte; run scripts/large-batch-study.sh, which prepares it");
-  TORCH_CHECK(a.optimizer == "adamw" || a.optimizer == "lamb" || a.optimizer == "lars",
-              "--optimizer must be adamw, lamb or lars, got '", a.optimizer, "'");
-  TORCH_CHECK(a.batch_schedule.empty() || !a.batch_given,
+  TORCH_CHECK(a.batch_schedule.empty() || !c.given("batch"),
               "--batch and --batch-schedule both given; the schedule sets the batch of every epoch");
-  TORCH_CHECK(!a.batch_schedule.empty() || !a.min_rows_given,
+  TORCH_CHECK(!a.batch_schedule.empty() || !c.given("min-rows-per-replica"),
               "--min-rows-per-replica is only read with --batch-schedule");
   TORCH_CHECK(a.batch >= 1 && a.epochs >= 1 && a.min_rows_per_replica >= 1,
               "--batch, --epochs and --min-rows-per-replica must be >= 1");
-  return a;
 }
 
 // 784-256-256-10 with ReLU, as a Sequential so that the trainer can unit it.
@@ -102,11 +79,11 @@ torch::nn::Sequential make_net() {
   return net;
 }
 
-int train(int argc, char** argv) {
+int train(const Args& a, const tessera::cli::Command& c) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   {
-    const Args a = parse(argc, argv);
+    check(a, c);
     auto world = tessera::comm::make_world_communicator();
     namespace tt = tessera::train;
     const bool elastic = !a.batch_schedule.empty();
@@ -190,7 +167,7 @@ int train(int argc, char** argv) {
       if (trainer == nullptr) continue;  // idle: the next adapt() that moves the layout waits, asleep
       auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * a.seed + epoch);
       const at::Tensor order = at::randperm(n, gen);
-      const auto [first, count] = el ? el->rows_of(batch) : std::pair<int64_t, int64_t>(rank * (batch / dp), batch / dp);
+      const auto [first, count] = el ? el->rows_of(batch) : fixed->context()->batch_rows(batch);
       double loss_sum = 0;
       for (int64_t s = 0; s < steps; ++s) {
         const at::Tensor idx = order.narrow(0, s * batch + first, count);
@@ -232,4 +209,8 @@ int train(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return tessera_examples::run_example(argc, argv, "train_fashion_mnist", train); }
+int main(int argc, char** argv) {
+  Args a;
+  tessera::cli::Command c = command(a);
+  return tessera_examples::run_command(argc, argv, c, [&] { return train(a, c); });
+}

@@ -17,7 +17,7 @@ mode=${1:-}
 debs=${2:-.gpu-debs}
 packages=(openmpi-bin openmpi-common libopenmpi3 libopenmpi-dev libpmix2 libhwloc15 libevent-core-2.1-7
   libevent-pthreads-2.1-7 libevent-2.1-7 libfabric1 libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200
-  libmunge2 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0 libfmt9 libfmt-dev nlohmann-json3-dev libgtest-dev)
+  libmunge2 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0 libfmt9 libfmt-dev nlohmann-json3-dev libgtest-dev libcli11-dev)
 
 if [ "$mode" = fetch ]; then
   mkdir -p "$debs" && cd "$debs" && apt-get download "${packages[@]}"

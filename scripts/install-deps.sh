@@ -8,7 +8,7 @@ packages=(
   libtorch-dev            # LibTorch 1.13, CPU only
   libopenblas0-pthread    # switches libblas.so.3 away from the reference BLAS
   libopenmpi-dev openmpi-bin
-  libfmt-dev nlohmann-json3-dev libgtest-dev
+  libfmt-dev nlohmann-json3-dev libgtest-dev libcli11-dev
   "$@"
 )
 

@@ -60,12 +60,12 @@ int main(int argc, char** argv) {
       return mode == "save" ? 0 : 1;  // a crash run that finishes did not crash
     }
     if (mode == "check" && argc > 3) {
-      tessera::train::CheckpointReader old(argv[2]);
+      tessera::infer::CheckpointReader old(argv[2]);
       auto expected = pieces(0, world->size(), 1);
       TORCH_CHECK(old.full("w").equal(at::arange(4 * world->size(), at::kFloat)), "old checkpoint: wrong w");
       TORCH_CHECK(old.full("b").equal(at::full({3}, 1.0)), "old checkpoint: wrong b");
       try {
-        tessera::train::CheckpointReader partial(argv[3]);
+        tessera::infer::CheckpointReader partial(argv[3]);
       } catch (const c10::Error& e) {
         fmt::print("rank {}: the partial checkpoint is refused: {}\n", rank, e.msg());
         return e.msg().find("did not finish") != std::string::npos ? 0 : 1;
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     }
     if (mode == "check-replaced") {
       try {
-        tessera::train::CheckpointReader replaced(argv[2]);
+        tessera::infer::CheckpointReader replaced(argv[2]);
       } catch (const c10::Error& e) {
         fmt::print("rank {}: the replaced checkpoint is refused: {}\n", rank, e.msg());
         return e.msg().find("was replacing it") != std::string::npos &&

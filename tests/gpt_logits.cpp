@@ -10,7 +10,7 @@
 #include "tessera/comm/mpi_runtime.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/layer_factory.h"
-#include "tessera/train/safetensors.h"
+#include "tessera/core/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -25,7 +25,7 @@
 
 namespace {
 
-using tessera::train::SafetensorsFile;
+using tessera::SafetensorsFile;
 
 std::shared_ptr<tessera::nn::LayerFactory> serial_factory(const tessera::comm::CommunicatorPtr& world) {
   TORCH_CHECK(world->size() == 1, "gpt_logits runs on one rank, not ", world->size());
@@ -34,14 +34,14 @@ std::shared_ptr<tessera::nn::LayerFactory> serial_factory(const tessera::comm::C
 
 void write_random(const std::string& out, const tessera::comm::CommunicatorPtr& world) {
   tessera::models::GPTConfig c = tessera::models::GPTConfig::preset("tiny");  // vocab 101, 4 heads, hidden 32
-  c.tied = false;
+  c.tied(false);
   torch::manual_seed(7);
   tessera::models::GPT gpt(c, serial_factory(world));
   // GPT-2's initialisation leaves biases 0 and LayerNorms 1: perturb every
   // tensor so that a misplaced one changes the logits.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, t] : gpt->full_state()) tensors.emplace_back(name, t + 0.2 * at::randn_like(t));
-  tessera::train::write_safetensors(out, tensors, {{"format", "pt"}});
+  tessera::write_safetensors(out, tensors, {{"format", "pt"}});
 }
 
 void write_logits(const std::string& model, int64_t heads, const std::string& ids_file, const std::string& out,
@@ -50,13 +50,13 @@ void write_logits(const std::string& model, int64_t heads, const std::string& id
   TORCH_CHECK(file.contains("wte.weight") && file.contains("wpe.weight"), model,
               " is not a consolidated tessera GPT (no wte.weight / wpe.weight)");
   tessera::models::GPTConfig c;
-  c.vocab = file.shape("wte.weight").at(0);
-  c.hidden = file.shape("wte.weight").at(1);
-  c.context = file.shape("wpe.weight").at(0);
-  c.heads = heads;
-  c.tied = !file.contains("lm_head.weight");
-  c.layers = 0;
-  while (file.contains(fmt::format("h.{}.ln_1.weight", c.layers))) ++c.layers;
+  c.vocab(file.shape("wte.weight").at(0));
+  c.hidden(file.shape("wte.weight").at(1));
+  c.context(file.shape("wpe.weight").at(0));
+  c.heads(heads);
+  c.tied(!file.contains("lm_head.weight"));
+  c.layers(0);
+  while (file.contains(fmt::format("h.{}.ln_1.weight", c.layers()))) ++c.layers();
   tessera::models::GPT gpt(c, serial_factory(world));
   std::map<std::string, at::Tensor> state;
   for (const auto& name : file.names()) state[name] = file.read(name);
@@ -70,9 +70,9 @@ void write_logits(const std::string& model, int64_t heads, const std::string& id
   gpt->eval();
   at::NoGradGuard no_grad;
   const at::Tensor ids = SafetensorsFile(ids_file).read("ids").to(at::kLong);
-  tessera::train::write_safetensors(out, {{"logits", gpt->forward(ids).contiguous()}}, {{"format", "pt"}});
+  tessera::write_safetensors(out, {{"logits", gpt->forward(ids).contiguous()}}, {{"format", "pt"}});
   fmt::print("{}: logits for {}x{} ids of {} ({} layers, {} heads, hidden {}, vocab {}, {})\n", out, ids.size(0),
-             ids.size(1), model, c.layers, c.heads, c.hidden, c.vocab, c.tied ? "tied" : "untied");
+             ids.size(1), model, c.layers(), c.heads(), c.hidden(), c.vocab(), c.tied() ? "tied" : "untied");
 }
 
 }  // namespace

@@ -58,19 +58,19 @@ struct ReferenceGPTConfig {
 template <typename Config>
 ReferenceGPTConfig reference_config(const Config& c) {
   ReferenceGPTConfig r;
-  r.vocab = c.vocab;
-  r.context = c.context;
-  r.layers = c.layers;
-  r.heads = c.heads;
-  r.hidden = c.hidden;
-  r.dropout = c.dropout;
-  r.tied = c.tied;
-  r.experts = c.experts;
-  r.moe_every = c.moe_every;
-  r.top_k = c.top_k;
-  r.renormalize = c.renormalize;
-  r.aux_loss_coef = c.aux_loss_coef;
-  r.z_loss_coef = c.z_loss_coef;
+  r.vocab = c.vocab();
+  r.context = c.context();
+  r.layers = c.layers();
+  r.heads = c.heads();
+  r.hidden = c.hidden();
+  r.dropout = c.dropout();
+  r.tied = c.tied();
+  r.experts = c.experts();
+  r.moe_every = c.moe_every();
+  r.top_k = c.top_k();
+  r.renormalize = c.renormalize();
+  r.aux_loss_coef = c.aux_loss_coef();
+  r.z_loss_coef = c.z_loss_coef();
   return r;
 }
 

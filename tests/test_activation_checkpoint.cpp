@@ -216,8 +216,8 @@ TEST(ActivationCheckpoint, UnderShardedModuleEqualsThePlainRun) {
 
 models::GPTConfig gpt_config(bool checkpoint) {
   auto c = models::GPTConfig::preset("tiny");
-  c.dropout = 0.1;
-  c.checkpoint_activations = checkpoint;
+  c.dropout(0.1);
+  c.checkpoint_activations(checkpoint);
   return c;
 }
 
@@ -236,7 +236,7 @@ GPTRun gpt_run(const models::GPTConfig& c, bool sp) {
   models::GPT gpt(c, nn::make_1d_factory(test::world(), sp, 1234, 5678));
   GPTRun run;
   for (int step = 0; step < 2; ++step) {
-    at::Tensor loss = gpt->loss(gpt->forward(token_ids(2, 16, 1 + step, c.vocab)), token_ids(2, 16, 9 + step, c.vocab));
+    at::Tensor loss = gpt->loss(gpt->forward(token_ids(2, 16, 1 + step, c.vocab())), token_ids(2, 16, 9 + step, c.vocab()));
     loss.backward();
     run.losses.push_back(loss.item<double>());
   }
@@ -248,12 +248,12 @@ GPTRun gpt_run(const models::GPTConfig& c, bool sp) {
 class GPTCheckpoint : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GPTCheckpoint, LossAndGradientsEqualWithoutCheckpointing) {
-  if (gpt_config(false).heads % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
+  if (gpt_config(false).heads() % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
   const bool sp = GetParam();
   const GPTRun plain = gpt_run(gpt_config(false), sp);
   const GPTRun ckpt = gpt_run(gpt_config(true), sp);
   auto no_dropout = gpt_config(false);
-  no_dropout.dropout = 0.0;
+  no_dropout.dropout(0.0);
   EXPECT_GT(std::abs(gpt_run(no_dropout, sp).losses[0] - plain.losses[0]), 1e-4) << "dropout had no effect";
   for (size_t i = 0; i < plain.losses.size(); ++i)
     EXPECT_NEAR(ckpt.losses[i], plain.losses[i], kTolerance * plain.losses[i]) << "step " << i;
@@ -284,7 +284,7 @@ TEST(GPTCheckpointPipeline, EveryScheduleEqualsThePlainPipeline) {
       parallel::PipelineExecutor pipe(
           gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
           parallel::PipelineOptions().schedule(kind).microbatches(2 * p));
-      losses[checkpoint] = pipe.run(token_ids(4 * p, 8, 3, c.vocab), token_ids(4 * p, 8, 4, c.vocab));
+      losses[checkpoint] = pipe.run(token_ids(4 * p, 8, 3, c.vocab()), token_ids(4 * p, 8, 4, c.vocab()));
       for (const auto& param : pipe.parameters()) grads[checkpoint].push_back(param.grad().clone());
     }
     EXPECT_NEAR(losses[1], losses[0], kTolerance * losses[0]);
@@ -304,12 +304,12 @@ struct ActivationBytes {
 // attention scores are [b, heads, s, s]); tensor-parallel over the world.
 ActivationBytes measure(bool checkpoint, test::CountingAllocator& counter) {
   models::GPTConfig c = gpt_config(checkpoint);
-  c.layers = 4;
-  c.hidden = 64;
-  c.context = 128;
+  c.layers(4);
+  c.hidden(64);
+  c.context(128);
   torch::manual_seed(0);
   models::GPT gpt(c, nn::make_1d_factory(test::world(), false, 1234, 5678));
-  const at::Tensor ids = token_ids(4, 128, 1, c.vocab), targets = token_ids(4, 128, 2, c.vocab);
+  const at::Tensor ids = token_ids(4, 128, 1, c.vocab()), targets = token_ids(4, 128, 2, c.vocab());
   gpt->loss(gpt->forward(ids), targets).backward();  // allocates .grad: not activation memory
   for (auto& p : gpt->parameters()) p.mutable_grad().zero_();
   ActivationBytes bytes;
@@ -325,7 +325,7 @@ ActivationBytes measure(bool checkpoint, test::CountingAllocator& counter) {
 }
 
 TEST(ActivationCheckpointMemory, PeakActivationBytesPerRankAreLower) {
-  if (gpt_config(false).heads % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
+  if (gpt_config(false).heads() % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
   ActivationBytes plain, ckpt;
   {
     test::CountingScope scope;

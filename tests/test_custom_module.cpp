@@ -214,7 +214,7 @@ TEST_P(CustomModule, CheckpointWithBuffersResumesBitExactly) {
   for (int i = 2; i < 4; ++i) losses.push_back(step(first, i));
 
   Run resumed = make(1);
-  const train::CheckpointReader reader(dir);
+  const infer::CheckpointReader reader(dir);
   train::load_optimizer_pieces(reader, *resumed.opt, train::named_placements(*resumed.net));
   train::load_buffer_pieces(reader, *resumed.net);
   for (int i = 2; i < 4; ++i) EXPECT_EQ(step(resumed, i), losses[i - 2]) << "step " << i;
@@ -231,7 +231,7 @@ TEST_P(CustomModule, CheckpointWithBuffersResumesBitExactly) {
   const std::string bare = dir + "_bare";
   train::save_checkpoint(bare, train::optimizer_pieces(*first.opt, train::named_placements(*first.net)), "{}",
                          test::world());
-  EXPECT_ERROR_CONTAINS(train::load_buffer_pieces(train::CheckpointReader(bare), *resumed.net),
+  EXPECT_ERROR_CONTAINS(train::load_buffer_pieces(infer::CheckpointReader(bare), *resumed.net),
                         "has no buffer 'stem_bn.running_mean'");
 }
 

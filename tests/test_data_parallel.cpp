@@ -388,7 +388,7 @@ TEST_F(DataParallelOptions, UnitsPrefetchAndOverlapOffGiveTheSameSteps) {
 }
 
 TEST_F(DataParallelOptions, OffloadedOptimizerAndParametersGiveTheSameSteps) {
-  const auto offload = ShardedOptimizerOptions().offload(true).offload_threads(2);
+  const auto offload = ShardedOptimizerOptions().offload(parallel::Offload::kHost).offload_threads(2);
   expect_matches_serial(Net::kMLP, "zero2", ShardedModuleOptions(), offload);
   expect_matches_serial(Net::kConv, "zero3", ShardedModuleOptions(), offload);
   expect_matches_serial(Net::kMLP, "{R,P(2),S}", ShardedModuleOptions().offload_params(true), offload);
@@ -403,12 +403,12 @@ parallel::DiskOffloadOptions disk(int64_t tile_bytes = 64, int buffers = 3) {
 TEST_F(DataParallelOptions, DiskOffloadedOptimizerGivesTheSameSteps) {
   for (int buffers : {1, 2, 3}) {
     SCOPED_TRACE(buffers);
-    expect_matches_serial(Net::kMLP, "zero2", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(64, buffers)));
+    expect_matches_serial(Net::kMLP, "zero2", ShardedModuleOptions(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk(64, buffers)));
   }
-  expect_matches_serial(Net::kConv, "zero3", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(256)));
+  expect_matches_serial(Net::kConv, "zero3", ShardedModuleOptions(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk(256)));
   expect_matches_serial(Net::kMLP, "{R,P(2),S}", ShardedModuleOptions().bucket_bytes(256),
-                        ShardedOptimizerOptions().disk(disk(128)), 1, Opt::kSGD);
-  expect_matches_serial(Net::kConv, "ddp", ShardedModuleOptions(), ShardedOptimizerOptions().disk(disk(1 << 20)), 1,
+                        ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk(128)), 1, Opt::kSGD);
+  expect_matches_serial(Net::kConv, "ddp", ShardedModuleOptions(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk(1 << 20)), 1,
                         Opt::kAdam);
 }
 
@@ -442,8 +442,8 @@ TEST_F(DataParallelOptions, DiskOffloadIsBitExactAndKeepsNoStateInMemory) {
     return r;
   };
   const Run plain = run({});
-  const Run in_cpu_memory = run(ShardedOptimizerOptions().offload(true));
-  const Run on_disk = run(ShardedOptimizerOptions().disk(disk()));
+  const Run in_cpu_memory = run(ShardedOptimizerOptions().offload(parallel::Offload::kHost));
+  const Run on_disk = run(ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk()));
   for (const Run* other : {&in_cpu_memory, &on_disk}) {
     EXPECT_EQ(other->losses, plain.losses);
     ASSERT_EQ(other->params.size(), plain.params.size());
@@ -461,14 +461,14 @@ TEST_F(DataParallelOptions, DiskOffloadRefusesWhatItCannotDo) {
   auto sharded = std::make_shared<ShardedModule>(model, data_context(), ShardedModuleOptions().spec(ShardingSpec::zero2()));
   auto adamw_opt = [&] { return make_optimizer(Opt::kAdamW, model->parameters()); };
   EXPECT_ERROR_CONTAINS(
-      ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk().dir("/nonexistent/offload"))),
+      ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk().dir("/nonexistent/offload"))),
       "directory '/nonexistent/offload' cannot be used: No such file or directory", "create it first");
-  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().offload(true).disk(disk())),
+  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().offload(parallel::Offload::kHost).disk(disk())),
                         "are both set; choose one");
-  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk().buffers(0))),
+  EXPECT_ERROR_CONTAINS(ShardedOptimizer(sharded, adamw_opt(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk().buffers(0))),
                         "disk.buffers must be >= 1, got 0");
   // A checkpoint must bring the states in first.
-  ShardedOptimizer opt(sharded, adamw_opt(), ShardedOptimizerOptions().disk(disk()));
+  ShardedOptimizer opt(sharded, adamw_opt(), ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk()));
   parallel_step(Net::kMLP, *sharded, opt, 0);
   EXPECT_ERROR_CONTAINS(opt.piece_views(), "call fetch_offloaded() before reading");
   opt.fetch_offloaded();
@@ -510,7 +510,7 @@ TEST_F(DataParallelOptions, DiskOffloadOnAFullDiskStopsEveryRank) {
     auto sharded =
         std::make_shared<ShardedModule>(model.ptr(), data_context(), ShardedModuleOptions().spec(ShardingSpec::zero2()));
     ShardedOptimizer opt(sharded, make_optimizer(Opt::kAdamW, model->parameters()),
-                         ShardedOptimizerOptions().disk(disk(1 << 20).dir(dir)));
+                         ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk(1 << 20).dir(dir)));
     auto step = [&] {
       opt.zero_grad();
       sharded->forward(test::seeded_randn({4, 256}, 1)).pow(2).mean().backward();

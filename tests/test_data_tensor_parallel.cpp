@@ -31,7 +31,7 @@ models::GPTConfig tiny() { return models::GPTConfig::preset("tiny"); }
 
 at::Tensor seeded_ids(uint64_t seed, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(tiny().vocab, {rows, kSeq}, gen, at::kLong);
+  return at::randint(tiny().vocab(), {rows, kSeq}, gen, at::kLong);
 }
 
 torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01); }

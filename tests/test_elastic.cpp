@@ -48,7 +48,7 @@ train::TensorPiece cut(const std::string& name, const at::Tensor& full, std::vec
 }
 
 // What a request should receive, computed from the full tensor directly.
-at::Tensor expected(const at::Tensor& full, const train::PieceRequest& r) {
+at::Tensor expected(const at::Tensor& full, const infer::PieceRequest& r) {
   at::Tensor box = full;
   for (size_t d = 0; d < r.offset.size(); ++d) box = box.narrow(static_cast<int64_t>(d), r.offset[d], r.length[d]);
   at::Tensor flat = box.contiguous().view({-1});
@@ -70,7 +70,7 @@ TEST(PieceExchange, AnyLayoutToAnyLayout) {
   const at::Tensor c = test::seeded_randn({5, 3}, 2).to(at::kBFloat16);
   const at::Tensor s = at::full({}, 17, at::kLong);
   std::vector<train::TensorPiece> held;
-  std::vector<train::PieceRequest> wanted;
+  std::vector<infer::PieceRequest> wanted;
   // "a" held as two column boxes [6, 5], each cut into ZeRO ranges over the
   // ranks; wanted as flat ranges of the whole tensor (index lists).
   for (int box = 0; box < 2; ++box)
@@ -122,15 +122,15 @@ TEST(PieceExchange, HolesAndStrangersAreRefusedOnEveryRank) {
   if (world->rank() == 0) held = {cut("a", a, {0, 0}, {2, 4})};
   const auto directory = train::PieceDirectory::gather(*world, held);
   // Rank 0 alone asks for what nobody holds; every rank throws.
-  std::vector<train::PieceRequest> hole = {{"a", {}, {}, 0, -1}};
-  std::vector<train::PieceRequest> fine = {{"a", {0, 0}, {2, 4}, 0, -1}};
+  std::vector<infer::PieceRequest> hole = {{"a", {}, {}, 0, -1}};
+  std::vector<infer::PieceRequest> fine = {{"a", {0, 0}, {2, 4}, 0, -1}};
   EXPECT_TRUE(test::throws_with(
       [&] {
         train::exchange_pieces(world, directory, held, world->rank() == 0 ? hole : fine, c10::Device(c10::kCPU),
                                "test");
       },
       world->rank() == 0 ? "8 of the 16 elements asked for are held" : "live resharding"));
-  std::vector<train::PieceRequest> stranger = {{"nobody", {}, {}, 0, -1}};
+  std::vector<infer::PieceRequest> stranger = {{"nobody", {}, {}, 0, -1}};
   EXPECT_TRUE(test::throws_with(
       [&] {
         train::exchange_pieces(world, directory, held, world->rank() == 0 ? stranger : fine,
@@ -169,14 +169,14 @@ constexpr int64_t kBatch = 8;
 
 models::GPTConfig gpt_config(double dropout) {
   auto c = models::GPTConfig::preset("tiny");
-  c.dropout = dropout;
+  c.dropout(dropout);
   return c;
 }
 
 // The global batch of a step, the same on every rank.
 std::pair<at::Tensor, at::Tensor> batch(int64_t step) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  const at::Tensor tokens = at::randint(gpt_config(0).vocab, {kBatch, kSeq + 1}, gen, at::kLong);
+  const at::Tensor tokens = at::randint(gpt_config(0).vocab(), {kBatch, kSeq + 1}, gen, at::kLong);
   return {tokens.narrow(1, 0, kSeq), tokens.narrow(1, 1, kSeq).contiguous()};
 }
 

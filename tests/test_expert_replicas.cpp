@@ -209,7 +209,7 @@ TEST(ExpertReplicas, CheckpointLoadsIntoOneProcess) {
   train::save_checkpoint(dir, train::optimizer_pieces(*run.opt, run.toy->placements()), "{}", world);
   auto one = context::ParallelContext::create(world->split(world->rank(), 0, "self"), context::ParallelConfig());
   ExpertRun loaded = make_run(one, ep, "ddp", false);
-  train::load_optimizer_pieces(train::CheckpointReader(dir), *loaded.opt, loaded.toy->placements());
+  train::load_optimizer_pieces(infer::CheckpointReader(dir), *loaded.opt, loaded.toy->placements());
   for (const auto& [name, value] : full_weights(loaded))
     EXPECT_LE(test::rel_error(value, trained.at(name)), 1e-7) << name << " after loading in one process";
   world->barrier();

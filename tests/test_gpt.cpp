@@ -28,8 +28,8 @@ using test::rel_error;
 models::GPTConfig tiny() {
   auto c = models::GPTConfig::preset("tiny");
   if (test::world()->size() == 3) {
-    c.heads = 6;
-    c.hidden = 48;
+    c.heads(6);
+    c.hidden(48);
   }
   return c;
 }
@@ -59,8 +59,8 @@ class GPTParallel : public ::testing::TestWithParam<bool> {};
 TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
   auto tp = test::world();
   const bool sp = GetParam();
-  if (tiny().heads % tp->size() != 0)
-    GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
+  if (tiny().heads() % tp->size() != 0)
+    GTEST_SKIP() << "the tiny GPT's " << tiny().heads() << " heads do not split over " << tp->size();
   const auto full = initial_weights(tiny(), 0);
   test::ReferenceGPT serial(test::reference_config(tiny()));
   serial->load_full_state(full);
@@ -70,7 +70,7 @@ TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
     EXPECT_TRUE(at::equal(entry.second, full.at(entry.first))) << entry.first << " does not round-trip";
   }
 
-  at::Tensor ids = seeded_ids(1, tiny().vocab), targets = seeded_ids(2, tiny().vocab);
+  at::Tensor ids = seeded_ids(1, tiny().vocab()), targets = seeded_ids(2, tiny().vocab());
   at::Tensor serial_logits = serial->forward(ids);
   at::Tensor serial_loss = serial->loss(serial_logits, targets);
   serial_loss.backward();
@@ -78,7 +78,7 @@ TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
   at::Tensor loss = parallel->loss(logits, targets);
   loss.backward();
   parallel->reduce_partial_gradients();
-  EXPECT_LE(rel_error(full_logits(logits.detach(), *tp, tiny().vocab), serial_logits.detach()), kRelTolerance);
+  EXPECT_LE(rel_error(full_logits(logits.detach(), *tp, tiny().vocab()), serial_logits.detach()), kRelTolerance);
   EXPECT_LE(rel_error(loss.detach(), serial_loss.detach()), kRelTolerance);
   const auto serial_grads = serial->full_state(true);
   for (const auto& entry : parallel->full_state(true)) {
@@ -92,7 +92,7 @@ TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
     parallel_opt.step();
     zero_grads(*serial);
     zero_grads(*parallel);
-    at::Tensor batch = seeded_ids(10 + step, tiny().vocab), next = seeded_ids(20 + step, tiny().vocab);
+    at::Tensor batch = seeded_ids(10 + step, tiny().vocab()), next = seeded_ids(20 + step, tiny().vocab());
     at::Tensor a = serial->loss(serial->forward(batch), next);
     at::Tensor b = parallel->loss(parallel->forward(batch), next);
     a.backward();
@@ -109,17 +109,17 @@ INSTANTIATE_TEST_SUITE_P(Variants, GPTParallel, ::testing::Values(false, true),
 
 TEST(GPTUntied, SeparateHeadMatchesSerial) {
   auto tp = test::world();
-  if (tiny().heads % tp->size() != 0)
-    GTEST_SKIP() << "the tiny GPT's " << tiny().heads << " heads do not split over " << tp->size();
+  if (tiny().heads() % tp->size() != 0)
+    GTEST_SKIP() << "the tiny GPT's " << tiny().heads() << " heads do not split over " << tp->size();
   models::GPTConfig c = tiny();
-  c.tied = false;
+  c.tied(false);
   const auto full = initial_weights(c, 1);
   ASSERT_TRUE(full.count("lm_head.weight"));
   test::ReferenceGPT serial(test::reference_config(c));
   serial->load_full_state(full);
   models::GPT parallel(c, factory(tp, false));
   parallel->load_full_state(full);
-  at::Tensor ids = seeded_ids(5, c.vocab), targets = seeded_ids(6, c.vocab);
+  at::Tensor ids = seeded_ids(5, c.vocab()), targets = seeded_ids(6, c.vocab());
   at::Tensor a = serial->loss(serial->forward(ids), targets);
   at::Tensor b = parallel->loss(parallel->forward(ids), targets);
   a.backward();
@@ -138,8 +138,8 @@ TEST(GPTUntied, SeparateHeadMatchesSerial) {
 TEST(GPTCommunication, MatchesTheAnalyticalCount) {
   auto world = test::world();
   const int64_t n = world->size();
-  if (n == 1 || tiny().heads % n != 0) GTEST_SKIP() << "needs a tensor group that splits the heads";
-  const int64_t L = tiny().layers, act = kBatch * kSeq * tiny().hidden * 4, tokens = kBatch * kSeq;
+  if (n == 1 || tiny().heads() % n != 0) GTEST_SKIP() << "needs a tensor group that splits the heads";
+  const int64_t L = tiny().layers(), act = kBatch * kSeq * tiny().hidden() * 4, tokens = kBatch * kSeq;
   for (bool sp : {false, true}) {
     SCOPED_TRACE(sp ? "sequence parallel" : "1d");
     auto trace = std::make_shared<comm::CommTrace>();
@@ -147,8 +147,8 @@ TEST(GPTCommunication, MatchesTheAnalyticalCount) {
     torch::manual_seed(0);
     models::GPT gpt(tiny(), factory(tp, sp));
     trace->reset();  // construction shards weights without communication; count the step only
-    at::Tensor ids = seeded_ids(3, tiny().vocab);
-    gpt->loss(gpt->forward(ids), seeded_ids(4, tiny().vocab)).backward();
+    at::Tensor ids = seeded_ids(3, tiny().vocab());
+    gpt->loss(gpt->forward(ids), seeded_ids(4, tiny().vocab())).backward();
     const auto ar = trace->get("world", comm::OpType::kAllReduce);
     const auto ag = trace->get("world", comm::OpType::kAllGather);
     const auto rs = trace->get("world", comm::OpType::kReduceScatter);
@@ -185,14 +185,14 @@ TEST(LayerFactory1D, ActivationLayoutsRoundTrip) {
 }
 
 TEST(GPTConfig, PresetsAndErrors) {
-  EXPECT_EQ(models::GPTConfig::preset("small").hidden, 768);
-  EXPECT_EQ(models::GPTConfig::preset("medium").layers, 24);
+  EXPECT_EQ(models::GPTConfig::preset("small").hidden(), 768);
+  EXPECT_EQ(models::GPTConfig::preset("medium").layers(), 24);
   EXPECT_ERROR_CONTAINS(models::GPTConfig::preset("huge"), "unknown GPT preset 'huge'");
   auto tp = test::world();
   if (tp->size() > 1) {
     models::GPTConfig c = tiny();
-    c.heads = tp->size() + 1;
-    c.hidden = 4 * c.heads;
+    c.heads(tp->size() + 1);
+    c.hidden(4 * c.heads());
     EXPECT_ERROR_CONTAINS(models::GPT(c, factory(tp, false)), "number of attention heads");
   }
 }

@@ -84,8 +84,8 @@ at::Tensor full_logits(const at::Tensor& local, const context::ParallelContextPt
 // practice, and AdamW turns noise of any size into steps of ±lr. Its
 // gradient is still compared (it is ~0 on both sides).
 at::Tensor without_key_bias(const at::Tensor& bias, const models::GPTConfig& c) {
-  const int64_t d = c.hidden / c.heads;
-  return bias.view({c.heads, 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
+  const int64_t d = c.hidden() / c.heads();
+  return bias.view({c.heads(), 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
 }
 
 void zero_grads(torch::nn::Module& m) {
@@ -100,8 +100,8 @@ TEST_P(GPTGrid, MatchesSerialIncludingFiveAdamWSteps) {
   const auto cases = grid_cases(world->size());
   if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
   models::GPTConfig c = models::GPTConfig::preset("tiny");
-  c.tied = GetParam() != "untied";
-  c.checkpoint_activations = GetParam() == "checkpointed";
+  c.tied(GetParam() != "untied");
+  c.checkpoint_activations(GetParam() == "checkpointed");
   const bool fp64 = GetParam() == "tied_fp64";
   // Weights after 5 steps. AdamW divides each gradient by its own size, so
   // a gradient that cancels to almost nothing turns fp32 rounding (which
@@ -130,8 +130,8 @@ TEST_P(GPTGrid, MatchesSerialIncludingFiveAdamWSteps) {
     for (int step = 0; step <= 5; ++step) {
       zero_grads(*serial);
       zero_grads(*grid);
-      const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab, kBatch, kSeq);
-      at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab, kBatch, kSeq);
+      const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq);
+      at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq);
       targets[1][3] = -100;  // an ignored target: the mean counts the others only
       const at::Tensor serial_logits = serial->forward(ids);
       const at::Tensor serial_loss = serial->loss(serial_logits, targets);
@@ -142,7 +142,7 @@ TEST_P(GPTGrid, MatchesSerialIncludingFiveAdamWSteps) {
       grid->reduce_partial_gradients();
       EXPECT_LE(rel_error(loss.detach(), serial_loss.detach()), kRelTolerance) << "loss after " << step << " steps";
       if (step == 0) {
-        EXPECT_LE(rel_error(full_logits(logits.detach(), ctx, c.vocab), serial_logits.detach()), kRelTolerance);
+        EXPECT_LE(rel_error(full_logits(logits.detach(), ctx, c.vocab()), serial_logits.detach()), kRelTolerance);
         const auto serial_grads = serial->full_state(true);
         for (const auto& [name, grad] : grid->full_state(true))
           EXPECT_LE(rel_error(grad, serial_grads.at(name)), kRelTolerance) << "gradient of " << name;
@@ -176,10 +176,10 @@ TEST(GPTGrid, ShardedGradientsAndWholeNormEqualSerial) {
   const auto cases = grid_cases(world->size());
   if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
   models::GPTConfig c = models::GPTConfig::preset("tiny");
-  c.layers = 4;
+  c.layers(4);
   const auto full = test::gpt_initial_weights(c, 4);
-  const at::Tensor ids = test::seeded_token_ids(30, c.vocab, 12, 8);
-  const at::Tensor targets = test::seeded_token_ids(31, c.vocab, 12, 8);
+  const at::Tensor ids = test::seeded_token_ids(30, c.vocab(), 12, 8);
+  const at::Tensor targets = test::seeded_token_ids(31, c.vocab(), 12, 8);
   test::ReferenceGPT serial(test::reference_config(c));
   serial->load_full_state(full);
   serial->loss(serial->forward(ids), targets).backward();
@@ -240,8 +240,8 @@ TEST(GPTGrid, LambAndLarsTrustRatiosUseWholeParameterNorms) {
           parallel::ShardedOptimizerOptions().whole_norms(std::make_shared<parallel::PlacementNorms>(placements)));
       auto serial_opt = make(serial->parameters());
       for (int step = 0; step < 3; ++step) {
-        const at::Tensor ids = test::seeded_token_ids(60 + step, c.vocab, kBatch, kSeq);
-        const at::Tensor targets = test::seeded_token_ids(70 + step, c.vocab, kBatch, kSeq);
+        const at::Tensor ids = test::seeded_token_ids(60 + step, c.vocab(), kBatch, kSeq);
+        const at::Tensor targets = test::seeded_token_ids(70 + step, c.vocab(), kBatch, kSeq);
         serial_opt->zero_grad();
         opt.zero_grad();
         const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
@@ -272,8 +272,8 @@ TEST(GPTGrid, Bf16LossAndGradientsCloseToFp32Serial) {
   if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
   const models::GPTConfig c = models::GPTConfig::preset("tiny");
   const auto full = test::gpt_initial_weights(c, 6);
-  const at::Tensor ids = test::seeded_token_ids(80, c.vocab, kBatch, kSeq);
-  const at::Tensor targets = test::seeded_token_ids(81, c.vocab, kBatch, kSeq);
+  const at::Tensor ids = test::seeded_token_ids(80, c.vocab(), kBatch, kSeq);
+  const at::Tensor targets = test::seeded_token_ids(81, c.vocab(), kBatch, kSeq);
   test::ReferenceGPT serial(test::reference_config(c));
   serial->load_full_state(full);
   const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
@@ -329,8 +329,8 @@ TEST(GPTGrid, TracedBytesEqualTheFormula) {
     auto ctx = context::ParallelContext::create(world, gc.config);
     models::GPT gpt(c, nn::make_layer_factory(ctx));
     options.trace->reset();
-    gpt->loss(gpt->forward(test::seeded_token_ids(40, c.vocab, kBatch, kSeq)),
-              test::seeded_token_ids(41, c.vocab, kBatch, kSeq))
+    gpt->loss(gpt->forward(test::seeded_token_ids(40, c.vocab(), kBatch, kSeq)),
+              test::seeded_token_ids(41, c.vocab(), kBatch, kSeq))
         .backward();
     auto expect = [&](const std::string& group, comm::OpType op, int64_t calls, int64_t elements) {
       const auto got = options.trace->get(group, op);
@@ -339,7 +339,7 @@ TEST(GPTGrid, TracedBytesEqualTheFormula) {
       return 4 * elements;
     };
     using context::ParallelMode;
-    const int64_t q = 2, L = c.layers, h = c.hidden, Vp = (c.vocab + q - 1) / q * q;
+    const int64_t q = 2, L = c.layers(), h = c.hidden(), Vp = (c.vocab() + q - 1) / q * q;
     int64_t total = 0;
     if (gc.config.tensor_mode() == TensorMode::k3D) {
       // See the comment above the 3D branch's sums: T = b/q²·s local tokens.
@@ -408,12 +408,12 @@ TEST(LayerFactoryGrid, BadShapesAreRefusedOnEveryRank) {
     const Roles r = roles(ctx);
     const int64_t parts = r.batch->size();  // q·d (2D, 2.5D) or q² (3D) batch blocks
     models::GPTConfig c = models::GPTConfig::preset("tiny");
-    c.heads = 3;
-    c.hidden = 12;
+    c.heads(3);
+    c.hidden(12);
     EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)), "number of attention heads (3)",
                           "not divisible by q = 2");
-    c.heads = 1;
-    c.hidden = 3;
+    c.heads(1);
+    c.hidden(3);
     EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)), "embedding_dim (3) is not divisible");
     models::GPT gpt(models::GPTConfig::preset("tiny"), nn::make_layer_factory(ctx));
     const at::Tensor ids = test::seeded_token_ids(1, 101, parts + 1, kSeq);

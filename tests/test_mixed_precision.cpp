@@ -181,7 +181,7 @@ TEST(MixedPrecision, Bf16MastersOnDiskGiveTheSameSteps) {
     return r;
   };
   const Run in_memory = run({});
-  const Run on_disk = run(parallel::ShardedOptimizerOptions().disk(
+  const Run on_disk = run(parallel::ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(
       parallel::DiskOffloadOptions().dir(::testing::TempDir()).tile_bytes(400).buffers(2)));
   ASSERT_EQ(on_disk.params.size(), in_memory.params.size());
   for (size_t i = 0; i < in_memory.params.size(); ++i) {
@@ -204,7 +204,7 @@ TEST(MixedPrecision, Bf16GPTTracksFp32Over50Steps) {
   constexpr int64_t kRows = 24, kSeq = 16;  // every data size tested (1, 2, 3, 4, 8) divides kRows
   auto batch = [&](int step, uint64_t salt) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * salt + step % 4);  // 4 batches, repeated: it learns
-    return at::randint(config.vocab, {kRows, kSeq}, gen, at::kLong);
+    return at::randint(config.vocab(), {kRows, kSeq}, gen, at::kLong);
   };
   const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
   // The fp32 serial reference, from tessera's GPT-2 initialisation with seed 3

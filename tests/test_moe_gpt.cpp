@@ -31,19 +31,19 @@ using context::ParallelMode;
 
 models::GPTConfig config() {
   auto c = models::GPTConfig::preset("tiny");
-  c.layers = 4;
-  c.experts = 4;
-  c.moe_every = 2;  // blocks 1 and 3
-  c.top_k = 2;
-  c.renormalize = true;
-  c.aux_loss_coef = 0.1;  // large, so that a wrong auxiliary gradient shows
-  c.z_loss_coef = 0.01;
+  c.layers(4);
+  c.experts(4);
+  c.moe_every(2);  // blocks 1 and 3
+  c.top_k(2);
+  c.renormalize(true);
+  c.aux_loss_coef(0.1);  // large, so that a wrong auxiliary gradient shows
+  c.z_loss_coef(0.01);
   return c;
 }
 
 at::Tensor ids(int64_t rows, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(config().vocab, {rows, kSeq}, gen, at::kLong);
+  return at::randint(config().vocab(), {rows, kSeq}, gen, at::kLong);
 }
 
 struct Layout {
@@ -92,7 +92,7 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
   torch::manual_seed(seed);
   Model r;
   auto c = config();
-  c.checkpoint_activations = s.checkpoint;
+  c.checkpoint_activations(s.checkpoint);
   r.gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
   auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
@@ -201,8 +201,8 @@ TEST(MoEGPT, ExpertsAreSplitOverTheExpertGroup) {
   int64_t seen = 0;
   for (const auto& [name, p] : gpt->placements()) {
     if (name.find("mlp.c_fc.weight") == std::string::npos || name.find("h.1.") != 0) continue;
-    EXPECT_EQ(p.param.size(0), config().experts / 2) << name;
-    EXPECT_EQ(p.offset[0], ctx->rank(ParallelMode::kExpert) * config().experts / 2) << name;
+    EXPECT_EQ(p.param.size(0), config().experts() / 2) << name;
+    EXPECT_EQ(p.offset[0], ctx->rank(ParallelMode::kExpert) * config().experts() / 2) << name;
     EXPECT_TRUE(p.replica_group == ctx->comm(ParallelMode::kExpertData)) << name;
     ++seen;
   }
@@ -259,11 +259,11 @@ TEST(MoEGPTRefusals, EveryRankGetsTheMessage) {
   if (n >= 2) {
     auto ctx = context::ParallelContext::create(world, ParallelConfig().expert(2));
     auto dense = config();
-    dense.experts = 0;
+    dense.experts(0);
     EXPECT_ERROR_CONTAINS(models::GPT(dense, nn::make_layer_factory(ctx)), "expert size 2 is configured",
                           "no mixture-of-experts blocks");
     auto odd = config();
-    odd.experts = 3;
+    odd.experts(3);
     EXPECT_ERROR_CONTAINS(models::GPT(odd, nn::make_layer_factory(ctx)),
                           "3 experts do not divide over an expert group of 2");
     EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, /*sequence_parallel=*/true),
@@ -279,13 +279,13 @@ TEST(MoEGPTRefusals, EveryRankGetsTheMessage) {
   auto self = world->split(world->rank(), 0, "self");
   auto factory = nn::make_1d_factory(self, false, 1, 2);
   auto big_k = config();
-  big_k.top_k = 5;
+  big_k.top_k(5);
   EXPECT_ERROR_CONTAINS(models::GPT(big_k, factory), "top-k 5 must be between 1 and the 4 experts");
   auto no_capacity = config();
-  no_capacity.capacity_factor = 0.0;
+  no_capacity.capacity_factor(0.0);
   EXPECT_ERROR_CONTAINS(models::GPT(no_capacity, factory), "capacity factor 0 must be positive");
   auto every = config();
-  every.moe_every = 5;
+  every.moe_every(5);
   EXPECT_ERROR_CONTAINS(models::GPT(every, factory), "moe_every 5 exceeds the 4 layers");
 }
 

@@ -38,7 +38,7 @@ constexpr double kTolerance = 1e-5;
 // 6 blocks: 8 layers in sequence, enough for 4 ranks x 2 chunks.
 models::GPTConfig config() {
   auto c = models::GPTConfig::preset("tiny");
-  c.layers = 6;
+  c.layers(6);
   return c;
 }
 
@@ -48,7 +48,7 @@ std::shared_ptr<nn::LayerFactory> factory(const comm::CommunicatorPtr& group) {
 
 at::Tensor ids(int64_t rows, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(config().vocab, {rows, kSeq}, gen, at::kLong);
+  return at::randint(config().vocab(), {rows, kSeq}, gen, at::kLong);
 }
 
 // SGD with momentum, not AdamW: c_attn's key bias has an exactly zero

@@ -201,14 +201,14 @@ TEST(Placement, TwoDimensionalShardUnderZero2EqualsSerialAndReshards) {
   {  // 1D: tensor 4 (W rows over it), dp 2, ZeRO-2.
     auto ctx1d = context::ParallelContext::create(world, context::ParallelConfig().tensor(4));
     ToyRun r = make_run(ctx1d, ctx1d->comm(context::ParallelMode::kTensor), self_of(world), "zero2");
-    train::load_optimizer_pieces(train::CheckpointReader(dir), *r.opt, r.toy->placements());
+    train::load_optimizer_pieces(infer::CheckpointReader(dir), *r.opt, r.toy->placements());
     EXPECT_NEAR(global_loss(r, kSteps, kRows, false), trained, kTolerance * trained) << "loaded into 1D tp4 x dp2";
   }
   {  // One process: every rank alone, the whole batch.
     auto self = self_of(world);
     auto one = context::ParallelContext::create(self, context::ParallelConfig());
     ToyRun r = make_run(one, self, self_of(world), "ddp");
-    train::load_optimizer_pieces(train::CheckpointReader(dir), *r.opt, r.toy->placements());
+    train::load_optimizer_pieces(infer::CheckpointReader(dir), *r.opt, r.toy->placements());
     const double loss = global_loss(r, kSteps, 2 * kRows, false);
     EXPECT_NEAR(loss, trained, kTolerance * trained) << "loaded into one process";
     for (const auto& [name, value] : full_weights(r))
@@ -224,7 +224,7 @@ TEST(Placement, VersionOneCheckpointIndexIsRead) {
     std::filesystem::remove_all(dir);
     std::filesystem::create_directories(dir);
     const at::Tensor full = at::arange(12, at::kFloat).view({4, 3});
-    train::write_safetensors(dir + "/rank-00000.safetensors",
+    write_safetensors(dir + "/rank-00000.safetensors",
                              {{"w#0", full.narrow(0, 0, 2).reshape({-1})}, {"w#1", full.narrow(0, 2, 2).reshape({-1})},
                               {"b#2", at::ones({3})}});
     const auto bytes = std::filesystem::file_size(dir + "/rank-00000.safetensors");
@@ -240,7 +240,7 @@ TEST(Placement, VersionOneCheckpointIndexIsRead) {
                   {"file": "rank-00000.safetensors", "key": "b#2", "dim": -1, "offset": 0, "length": 0, "flat": [0, -1]}]}}})";
   }
   world->barrier();
-  train::CheckpointReader reader(dir);
+  infer::CheckpointReader reader(dir);
   EXPECT_TRUE(at::equal(reader.full("w"), at::arange(12, at::kFloat).view({4, 3})));
   EXPECT_TRUE(at::equal(reader.full("b"), at::ones({3})));
   EXPECT_TRUE(at::equal(reader.region("w", {1, 1}, {2, 2}), at::arange(12, at::kFloat).view({4, 3}).slice(0, 1, 3).slice(1, 1, 3)));
@@ -256,7 +256,7 @@ TEST(Placement, ConstructionMemoryIsTheLocalShardPlusOneBlock) {
   auto ctx = context::ParallelContext::create(world, context::ParallelConfig().tensor(4));
   auto factory = nn::make_layer_factory(ctx);
   models::GPTConfig config = models::GPTConfig::preset("medium");
-  config.layers = 2;
+  config.layers(2);
   auto& counter = test::CountingAllocator::instance();
   int64_t before = 0, peak = 0, local = 0;
   {

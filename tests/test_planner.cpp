@@ -13,6 +13,8 @@
 #include <tessera/planner/search.h>
 #include <tessera/planner/traffic.h>
 #include <tessera/tessera.h>
+#include <tessera/train/gpt_run.h>
+#include <tessera/train/run_plan.h>
 #include <tessera/train/trainer.h>
 
 #include <torch/optim/adamw.h>
@@ -46,14 +48,14 @@ struct Case {
 
 models::GPTConfig gpt_config(const Case& c) {
   models::GPTConfig g;
-  g.vocab = 101;
-  g.context = 16;
-  g.layers = 2;
-  g.heads = 8;
-  g.hidden = 64;
-  g.tied = c.tied;
-  g.experts = c.experts;
-  g.moe_every = 2;
+  g.vocab(101);
+  g.context(16);
+  g.layers(2);
+  g.heads(8);
+  g.hidden(64);
+  g.tied(c.tied);
+  g.experts(c.experts);
+  g.moe_every(2);
   return g;
 }
 
@@ -273,12 +275,12 @@ TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
     }
     ++ran;
     models::GPTConfig g;
-    g.vocab = c.vocab;
-    g.context = c.seq;
-    g.layers = c.layers;
-    g.heads = c.heads;
-    g.hidden = c.hidden;
-    g.checkpoint_activations = c.checkpoint;
+    g.vocab(c.vocab);
+    g.context(c.seq);
+    g.layers(c.layers);
+    g.heads(c.heads);
+    g.hidden(c.hidden);
+    g.checkpoint_activations(c.checkpoint);
     auto& counter = test::CountingAllocator::instance();
     double peak = 0, states = 0;
     {
@@ -338,10 +340,7 @@ TEST(Planner, SearchRespectsTheLimitAndTheRules) {
   }
   planner::ClusterDesc cluster = planner::ClusterDesc::preset("a800-amsp");
   cluster.nodes = 2;
-  planner::SearchOptions o;
-  o.global_batch = 64;
-  o.memory_limit = 20e9;
-  o.top = 8;
+  const auto o = planner::SearchOptions().global_batch(64).memory_limit(20e9).top(8);
   const auto model = planner::ModelDesc::preset("llama-7b", 2048);
   const auto r = planner::search(model, cluster, o);
   ASSERT_FALSE(r.best.empty());
@@ -350,6 +349,65 @@ TEST(Planner, SearchRespectsTheLimitAndTheRules) {
     EXPECT_LE(r.best[i].memory.peak(), 20e9) << r.best[i].summary();
     if (i > 0) EXPECT_LE(r.best[i - 1].step_s, r.best[i].step_s);
   }
+}
+
+// The planner never ranks a layout the layers refuse: every plan a search
+// over every tensor, sequence and pipeline mode returns (dense and with
+// experts) is built by the layer factory on this world and trains a step.
+TEST(Planner, EveryPlanItReturnsBuildsAndTrainsAStep) {
+  auto world = test::world();
+  const int n = world->size();
+  planner::ClusterDesc cluster = planner::ClusterDesc::preset("a800-amsp");
+  cluster.nodes = 1;
+  cluster.gpus_per_node = n;
+  const auto options = planner::SearchOptions()
+                           .global_batch(8)
+                           .memory_limit(1e12)
+                           .bf16(false)
+                           .top(1 << 20)
+                           .tensor_modes({TensorMode::k1D, TensorMode::k2D, TensorMode::k2p5D, TensorMode::k3D})
+                           .sequence_modes({SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa})
+                           .max_tensor(n)
+                           .max_sequence(n)
+                           .max_pipeline(2)
+                           .max_micro_batches(2)
+                           .specs({parallel::ShardingSpec::ddp(), parallel::ShardingSpec::zero3()})
+                           .offload(true);
+  const train::TokenData data(at::arange(64 * 40, at::kLong).remainder(64), 64, "counting");
+  int64_t stepped = 0, refused = 0;
+  std::set<std::string> layouts;
+  for (int64_t experts : {int64_t{0}, int64_t{4}}) {
+    const auto gpt = models::GPTConfig().vocab(64).context(16).layers(2).heads(4).hidden(32).experts(experts).moe_every(2);
+    const auto model = planner::ModelDesc::gpt(gpt, 16);
+    const planner::SearchResult r = planner::search(model, cluster, options);
+    refused += r.invalid;
+    for (const auto& e : r.best) {
+      train::RunOptions run;
+      run.model(gpt).batch(8).steps(1).sample(0).eval_every(0);
+      train::apply_plan(e.plan, run);
+      SCOPED_TRACE(e.plan.to_string());
+      std::string error;
+      try {
+        train::GPTRun built(world, run, data.vocab());
+        const auto w = data.windows(train::Split::kTrain, 8, 16, 5);
+        const auto rows = built.rows(8);
+        const double loss = built.trainer()
+                                ->train_step(w.inputs.narrow(0, rows.first, rows.count),
+                                             w.targets.narrow(0, rows.first, rows.count))
+                                .loss;
+        EXPECT_TRUE(std::isfinite(loss));
+      } catch (const c10::Error& err) {
+        error = err.msg();
+      }
+      EXPECT_TRUE(error.empty()) << "the planner returned a plan the library refuses: " << error;
+      ++stepped;
+      layouts.insert(context::to_string(e.plan.grid));
+    }
+  }
+  if (world->rank() == 0)
+    fmt::print("planner: {} plans returned and trained a step ({} layouts), {} refused by check_plan\n", stepped,
+               layouts.size(), refused);
+  EXPECT_GT(stepped, 0);
 }
 
 }  // namespace

@@ -122,8 +122,8 @@ void zero_grads(torch::nn::Module& m) {
 // c_attn's bias without its key rows (see test_gpt_grid.cpp): softmax
 // ignores the key bias, so its gradient is rounding noise that AdamW amplifies.
 at::Tensor without_key_bias(const at::Tensor& bias, const models::GPTConfig& c) {
-  const int64_t d = c.hidden / c.heads;
-  return bias.view({c.heads, 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
+  const int64_t d = c.hidden() / c.heads();
+  return bias.view({c.heads(), 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
 }
 
 void expect_weights_equal(const std::map<std::string, at::Tensor>& serial, models::GPTImpl& gpt,
@@ -163,7 +163,7 @@ TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
     for (const std::string variant : {"fp32", "checkpointed", "fp64"}) {
       SCOPED_TRACE(context::to_string(config) + " " + variant);
       models::GPTConfig c = models::GPTConfig::preset("tiny");
-      c.checkpoint_activations = variant == "checkpointed";
+      c.checkpoint_activations(variant == "checkpointed");
       const bool fp64 = variant == "fp64";
       const double tol = fp64 ? 1e-12 : kRelTolerance;
       const auto full = test::gpt_initial_weights(c, 7);
@@ -183,8 +183,8 @@ TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
       for (int step = 0; step <= 5; ++step) {
         zero_grads(*serial);
         zero_grads(*gpt);
-        const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab, kBatch, kSeq);
-        at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab, kBatch, kSeq);
+        const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq);
+        at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq);
         targets[0][kSeq - 1] = -100;  // ignored targets: the mean counts the others only
         targets[1][2] = -100;
         const at::Tensor serial_logits = serial->forward(ids);
@@ -196,7 +196,7 @@ TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
         gpt->reduce_partial_gradients();
         EXPECT_LE(rel_error(loss.detach(), serial_loss.detach()), tol) << "loss at step " << step;
         if (step == 0) {
-          EXPECT_LE(rel_error(full_logits(logits.detach(), ctx, *gpt->factory(), c.vocab), serial_logits.detach()),
+          EXPECT_LE(rel_error(full_logits(logits.detach(), ctx, *gpt->factory(), c.vocab()), serial_logits.detach()),
                     tol);
           const auto serial_grads = serial->full_state(true);
           for (const auto& [name, grad] : gpt->full_state(true))
@@ -375,17 +375,17 @@ TEST(SequenceRefusals, EveryRankGetsTheMessage) {
     return models::GPT(c, nn::make_layer_factory(ctx));
   };
   // A sequence that does not divide into the split's chunks.
-  const at::Tensor odd = test::seeded_token_ids(1, c.vocab, 2, 2 * p + 1);
+  const at::Tensor odd = test::seeded_token_ids(1, c.vocab(), 2, 2 * p + 1);
   EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kRing))->forward(odd),
                         "does not divide into", "equal chunks");
-  const at::Tensor p_only = test::seeded_token_ids(1, c.vocab, 2, 3 * p);
+  const at::Tensor p_only = test::seeded_token_ids(1, c.vocab(), 2, 3 * p);
   EXPECT_ERROR_CONTAINS(
       make(ParallelConfig().sequence_mode(SequenceMode::kRing).sequence_split(SequenceSplit::kZigzag))->forward(p_only),
       "zigzag split", "2 chunks per rank");
   // Ulysses needs whole heads per sequence rank (the tiny GPT has 4).
   if (4 % p != 0) {
     EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kUlysses))
-                              ->forward(test::seeded_token_ids(1, c.vocab, 2, 4 * p)),
+                              ->forward(test::seeded_token_ids(1, c.vocab(), 2, 4 * p)),
                           "heads (per tensor rank) do not divide over");
   }
   // Sequence parallelism runs on 1D, without the 1D sequence-parallel variant.

@@ -9,11 +9,11 @@
 #include "test_util.h"
 
 #include "tessera/core/process_memory.h"
-#include "tessera/train/atomic_file.h"
+#include "tessera/core/atomic_file.h"
 #include "tessera/train/checkpoint.h"
-#include "tessera/train/generation.h"
-#include "tessera/train/safetensors.h"
-#include "tessera/train/streamed_gpt.h"
+#include "tessera/infer/generation.h"
+#include "tessera/core/safetensors.h"
+#include "tessera/infer/streamed_gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -29,13 +29,13 @@ namespace tessera {
 namespace {
 
 namespace fs = std::filesystem;
-using train::StoredWeights;
-using train::StreamedGPT;
-using train::StreamedGPTOptions;
+using infer::StoredWeights;
+using infer::StreamedGPT;
+using infer::StreamedGPTOptions;
 
 models::GPTConfig config() {
   models::GPTConfig c = models::GPTConfig::preset("tiny");  // vocab 101: not divisible by 2 ranks
-  c.layers = 3;
+  c.layers(3);
   return c;
 }
 
@@ -65,7 +65,7 @@ Stored store(const std::string& name, const std::map<std::string, at::Tensor>& w
   Stored s{shared_dir(name) + "/gpt.safetensors", shared_dir(name) + "/ckpt"};
   if (w->rank() == 0) {
     std::vector<std::pair<std::string, at::Tensor>> list(weights.begin(), weights.end());
-    train::write_safetensors(s.file, list, {{"tessera.checkpoint_metadata", R"({"gpt": {"heads": )" +
+    write_safetensors(s.file, list, {{"tessera.checkpoint_metadata", R"({"gpt": {"heads": )" +
                                                                                std::to_string(heads) + "}}"}});
   }
   std::vector<train::TensorPiece> pieces;
@@ -121,13 +121,13 @@ at::Tensor streamed_logits(StreamedGPT& model, const at::Tensor& ids) {
 
 TEST(StreamedGPT, LogitsEqualTheSerialModelFromEverySourceAndPlan) {
   const auto weights = test::gpt_initial_weights(config(), 17);
-  const Stored s = store("equal", weights, config().heads);
-  const at::Tensor ids = test::seeded_token_ids(5, config().vocab, 2, 12);
+  const Stored s = store("equal", weights, config().heads());
+  const at::Tensor ids = test::seeded_token_ids(5, config().vocab(), 2, 12);
   const at::Tensor expected = reference_logits(weights, ids);
   at::Tensor in_memory;
   for (const std::string& path : {s.file, s.checkpoint}) {
     auto stored = std::make_shared<StoredWeights>(path);
-    EXPECT_EQ(train::gpt_config_from_weights(*stored).heads, config().heads);
+    EXPECT_EQ(infer::gpt_config_from_weights(*stored).heads(), config().heads());
     struct Plan {
       const char* name;
       StreamedGPTOptions options;
@@ -156,11 +156,11 @@ TEST(StreamedGPT, LogitsEqualTheSerialModelFromEverySourceAndPlan) {
 
 TEST(StreamedGPT, GreedyGenerationFollowsTheSerialModel) {
   const auto weights = test::gpt_initial_weights(config(), 23);
-  const Stored s = store("greedy", weights, config().heads);
+  const Stored s = store("greedy", weights, config().heads());
   StreamedGPT model(std::make_shared<StoredWeights>(s.file),
                     StreamedGPTOptions().batch(2).max_length(20).resident_if_fits(false).group(tp_group()));
-  const at::Tensor prompt = test::seeded_token_ids(9, config().vocab, 2, 4);
-  const auto gen = train::generate(model, prompt, 10, train::SamplingOptions().temperature(0), true);
+  const at::Tensor prompt = test::seeded_token_ids(9, config().vocab(), 2, 4);
+  const auto gen = infer::generate(model, prompt, 10, infer::SamplingOptions().temperature(0), true);
   ASSERT_EQ(gen.tokens.sizes(), (std::vector<int64_t>{2, 10}));
   // Each token is the argmax of the reference's logits over everything before it.
   const at::Tensor all = at::cat({prompt, gen.tokens}, 1);
@@ -176,10 +176,10 @@ TEST(StreamedGPT, GreedyGenerationFollowsTheSerialModel) {
 TEST(StreamedGPT, Bf16WeightsComputeInFloat) {
   auto weights = test::gpt_initial_weights(config(), 29);
   for (auto& entry : weights) entry.second = entry.second.to(at::kBFloat16);
-  const Stored s = store("bf16", weights, config().heads);
+  const Stored s = store("bf16", weights, config().heads());
   std::map<std::string, at::Tensor> rounded;
   for (const auto& [name, t] : weights) rounded[name] = t.to(at::kFloat);
-  const at::Tensor ids = test::seeded_token_ids(6, config().vocab, 2, 12);
+  const at::Tensor ids = test::seeded_token_ids(6, config().vocab(), 2, 12);
   const at::Tensor expected = reference_logits(rounded, ids);
   for (const std::string& path : {s.file, s.checkpoint}) {
     SCOPED_TRACE(path);
@@ -200,11 +200,11 @@ TEST(StreamedGPT, Bf16WeightsComputeInFloat) {
 TEST(StreamedGPT, SamplingDrawsFromTheTopKAtTheTemperature) {
   at::Tensor logits = at::tensor({0.0, 3.0, 1.0, 2.5, -1.0, 2.9}, at::kFloat).repeat({4000, 1});
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
-  using train::SamplingOptions;
-  EXPECT_TRUE(train::sample_tokens(logits, SamplingOptions().temperature(0), gen).eq(1).all().item<bool>());
-  EXPECT_TRUE(train::sample_tokens(logits, SamplingOptions().top_k(1), gen).eq(1).all().item<bool>());
+  using infer::SamplingOptions;
+  EXPECT_TRUE(infer::sample_tokens(logits, SamplingOptions().temperature(0), gen).eq(1).all().item<bool>());
+  EXPECT_TRUE(infer::sample_tokens(logits, SamplingOptions().top_k(1), gen).eq(1).all().item<bool>());
   // Top 3 (tokens 1, 5, 3) at temperature 0.5: frequencies follow softmax(2 · logits) over them.
-  const at::Tensor drawn = train::sample_tokens(logits, SamplingOptions().top_k(3).temperature(0.5), gen);
+  const at::Tensor drawn = infer::sample_tokens(logits, SamplingOptions().top_k(3).temperature(0.5), gen);
   const at::Tensor counts = at::bincount(drawn, {}, 6).to(at::kDouble) / 4000;
   const at::Tensor p = at::softmax(at::tensor({3.0, 2.5, 2.9}, at::kDouble) * 2, 0);
   EXPECT_EQ(counts[0].item<double>() + counts[2].item<double>() + counts[4].item<double>(), 0.0);
@@ -213,16 +213,16 @@ TEST(StreamedGPT, SamplingDrawsFromTheTopKAtTheTemperature) {
   EXPECT_NEAR(counts[5].item<double>(), p[2].item<double>(), 0.03);
   // The same seed, the same tokens.
   auto g1 = at::make_generator<at::CPUGeneratorImpl>(7), g2 = at::make_generator<at::CPUGeneratorImpl>(7);
-  EXPECT_TRUE(train::sample_tokens(logits, SamplingOptions(), g1).equal(train::sample_tokens(logits, SamplingOptions(), g2)));
-  EXPECT_TRUE(test::throws_with([&] { train::sample_tokens(logits, SamplingOptions().temperature(-1), gen); },
+  EXPECT_TRUE(infer::sample_tokens(logits, SamplingOptions(), g1).equal(infer::sample_tokens(logits, SamplingOptions(), g2)));
+  EXPECT_TRUE(test::throws_with([&] { infer::sample_tokens(logits, SamplingOptions().temperature(-1), gen); },
                                 "temperature must be >= 0"));
-  EXPECT_TRUE(test::throws_with([&] { train::sample_tokens(logits, SamplingOptions().top_k(7), gen); },
+  EXPECT_TRUE(test::throws_with([&] { infer::sample_tokens(logits, SamplingOptions().top_k(7), gen); },
                                 "top_k must lie in [0, 6]"));
 }
 
 // Flips one byte of `name`'s data in a safetensors file.
 void damage(const std::string& file, const std::string& name) {
-  const auto loc = train::SafetensorsFile(file).location(name);
+  const auto loc = SafetensorsFile(file).location(name);
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(loc.offset + loc.bytes / 2);
   char byte = 0;
@@ -235,7 +235,7 @@ void damage(const std::string& file, const std::string& name) {
 TEST(StreamedGPT, RefusesDamagedTruncatedAndMissingWeights) {
   auto w = test::world();
   const auto weights = test::gpt_initial_weights(config(), 31);
-  const Stored s = store("damaged", weights, config().heads);
+  const Stored s = store("damaged", weights, config().heads());
   const std::string dir = fs::path(s.file).parent_path().string();
   const auto options = StreamedGPTOptions().group(tp_group()).max_length(8);
   EXPECT_TRUE(test::throws_with([&] { StoredWeights(dir + "/missing.safetensors"); }, "do not exist"));
@@ -263,9 +263,9 @@ TEST(StreamedGPT, RefusesDamagedTruncatedAndMissingWeights) {
   EXPECT_TRUE(test::throws_with([&] { streamed.forward(ids); }, "an earlier forward failed"));
   // Weights that are not a GPT, or do not say their heads.
   if (w->rank() == 0) {
-    train::write_safetensors(dir + "/not-gpt.safetensors", {{"w", at::zeros({2})}});
+    write_safetensors(dir + "/not-gpt.safetensors", {{"w", at::zeros({2})}});
     std::vector<std::pair<std::string, at::Tensor>> list(weights.begin(), weights.end());
-    train::write_safetensors(dir + "/no-heads.safetensors", list);
+    write_safetensors(dir + "/no-heads.safetensors", list);
   }
   w->barrier()->wait();
   EXPECT_TRUE(test::throws_with(
@@ -274,12 +274,12 @@ TEST(StreamedGPT, RefusesDamagedTruncatedAndMissingWeights) {
   EXPECT_TRUE(test::throws_with(
       [&] { StreamedGPT(std::make_shared<StoredWeights>(dir + "/no-heads.safetensors"), options); }, "(--heads)"));
   StreamedGPT with_heads(std::make_shared<StoredWeights>(dir + "/no-heads.safetensors"), StreamedGPTOptions(options).heads(4));
-  EXPECT_EQ(with_heads.config().heads, 4);
+  EXPECT_EQ(with_heads.config().heads(), 4);
 }
 
 TEST(StreamedGPT, RefusesABudgetItCannotKeepAndBadOptions) {
   const auto weights = test::gpt_initial_weights(config(), 37);
-  const Stored s = store("budget", weights, config().heads);
+  const Stored s = store("budget", weights, config().heads());
   auto stored = std::make_shared<StoredWeights>(s.file);
   const auto options = StreamedGPTOptions().group(tp_group());
   // Less than this process holds already: no plan fits; the message says what would.
@@ -318,8 +318,8 @@ TEST(StreamedGPT, AnOutputFileOnAFullDiskLeavesTheEarlierOne) {
     ::setrlimit(RLIMIT_FSIZE, &small);
   }
   const std::string path = dir + "/generated.json";
-  train::write_file_atomically(path, "{\"tokens\": [1, 2, 3]}");
-  EXPECT_TRUE(test::throws_with([&] { train::write_file_atomically(path, std::string(100 << 10, 'x')); },
+  write_file_atomically(path, "{\"tokens\": [1, 2, 3]}");
+  EXPECT_TRUE(test::throws_with([&] { write_file_atomically(path, std::string(100 << 10, 'x')); },
                                 "was left as it was"));
   {
     std::ifstream in(path);

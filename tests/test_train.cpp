@@ -22,7 +22,7 @@
 #include "tessera/nn/parallel_dropout.h"
 #include "tessera/parallel/flat_bucket.h"
 #include "tessera/train/checkpoint.h"
-#include "tessera/train/safetensors.h"
+#include "tessera/core/safetensors.h"
 #include "tessera/train/trainer.h"
 
 #include <gtest/gtest.h>
@@ -44,14 +44,14 @@ using context::TensorMode;
 
 models::GPTConfig config(double dropout = 0.0) {
   auto c = models::GPTConfig::preset("tiny");
-  c.layers = 4;
-  c.dropout = dropout;
+  c.layers(4);
+  c.dropout(dropout);
   return c;
 }
 
 at::Tensor ids(int64_t rows, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(config().vocab, {rows, kSeq}, gen, at::kLong);
+  return at::randint(config().vocab(), {rows, kSeq}, gen, at::kLong);
 }
 
 struct Layout {
@@ -133,6 +133,7 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
                                                    .clip_grad_norm(0.5)
                                                    .lr(schedule(adamw ? 1e-3 : 0.1))
                                                    .bucket_bytes(4096)
+                                                   .offload(s.disk ? parallel::Offload::kDisk : parallel::Offload::kNone)
                                                    .disk(parallel::DiskOffloadOptions()
                                                              .dir(s.disk ? ::testing::TempDir() : "")
                                                              .tile_bytes(4096)));
@@ -372,7 +373,7 @@ TEST(Trainer, ControlTrafficTakesTheHostChannel) {
     };
     // Pipeline messages of one pass (activations, or gradients) over all pipelines.
     const int64_t messages = dp * s.microbatches * (pp - 1);
-    const int64_t payload_bytes = rows / dp / s.microbatches * kSeq * config().hidden * 4;
+    const int64_t payload_bytes = rows / dp / s.microbatches * kSeq * config().hidden() * 4;
     auto expect_pass = [&](int64_t passes, int64_t data_means) {
       using comm::OpType;
       for (OpType op : {OpType::kSend, OpType::kRecv}) {
@@ -550,7 +551,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
     const std::string file = shared_dir("consolidated") + "/model.safetensors";
     if (world->rank() == 0) {
       train::consolidate_checkpoint(dir, file);
-      train::SafetensorsFile f(file);
+      SafetensorsFile f(file);
       const auto full = c.gpt->full_state();
       EXPECT_EQ(f.names().size(), full.size());
       std::ofstream sums(file + ".sums.json");
@@ -599,7 +600,7 @@ TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
   train::save_checkpoint(dir, pieces, "{}", world);
   m->forward(ones);
   at::rand({8});
-  train::CheckpointReader reader(dir);
+  infer::CheckpointReader reader(dir);
   EXPECT_EQ(train::load_random_state_pieces(reader, *m, rank),
             (std::vector<std::string>{prefix + "cuda:0", prefix + "dropout/0/cuda:0"}));
   EXPECT_TRUE(m->forward(ones).equal(mask)) << "the dropout stream is restored";
@@ -613,7 +614,7 @@ TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
   odd.name = prefix + "dropout/first/cpu";
   const std::string bad = shared_dir("rng_bad") + "/ckpt";
   train::save_checkpoint(bad, {odd}, "{}", world);
-  train::CheckpointReader bad_reader(bad);
+  infer::CheckpointReader bad_reader(bad);
   EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(bad_reader, *m, rank); },
                                 "is not named dropout/<layer>/<device>"));
 }
@@ -653,7 +654,7 @@ TEST(Checkpoint, BadInputIsRefused) {
   // Another model: a wider GPT finds every tensor with another shape.
   torch::manual_seed(7);
   auto wide_config = config();
-  wide_config.hidden *= 2;
+  wide_config.hidden() *= 2;
   auto gpt = std::make_shared<models::GPTImpl>(wide_config,
                                                nn::make_1d_factory(ctx->comm(ParallelMode::kTensor), false, 1, 2));
   train::Trainer wide(
@@ -690,8 +691,8 @@ TEST(Safetensors, RoundTripsEveryDtype) {
     tensors.emplace_back(std::string("t_") + c10::toString(t), test::seeded_randn({3, 5}, 1).mul(10).to(t));
   tensors.emplace_back("scalar", at::tensor(3.5));
   tensors.emplace_back("empty", at::zeros({0, 4}));
-  train::write_safetensors(path, tensors, {{"k", "v"}});
-  train::SafetensorsFile f(path);
+  write_safetensors(path, tensors, {{"k", "v"}});
+  SafetensorsFile f(path);
   EXPECT_EQ(f.metadata().at("k"), "v");
   for (const auto& [name, t] : tensors) EXPECT_TRUE(f.read(name).equal(t)) << name;
   // A flipped byte: the tensor's checksum refuses it (Note [Tensor checksums]).
@@ -703,10 +704,10 @@ TEST(Safetensors, RoundTripsEveryDtype) {
     io.seekp(loc.offset + 5);
     io.put(byte);
   }
-  EXPECT_TRUE(test::throws_with([&] { train::SafetensorsFile(path).read("t_Float"); }, "is damaged: tensor 't_Float'"));
-  EXPECT_TRUE(train::SafetensorsFile(path).read("t_Double").equal(tensors[1].second));
+  EXPECT_TRUE(test::throws_with([&] { SafetensorsFile(path).read("t_Float"); }, "is damaged: tensor 't_Float'"));
+  EXPECT_TRUE(SafetensorsFile(path).read("t_Double").equal(tensors[1].second));
   std::filesystem::resize_file(path, std::filesystem::file_size(path) - 4);
-  EXPECT_TRUE(test::throws_with([&] { train::SafetensorsFile g(path); }, "outside the file"));
+  EXPECT_TRUE(test::throws_with([&] { SafetensorsFile g(path); }, "outside the file"));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "tessera/context/parallel_config.h"
 
+#include "tessera/core/cli.h"
 #include "tessera/core/error.h"
 
 #include <nlohmann/json.hpp>
@@ -37,13 +38,6 @@ int64_t integer_root(int64_t value, int power) {
   };
   while (pow_le(r + 1)) ++r;
   return r;
-}
-
-bool is_power_of_root(int64_t value, int power) {
-  const int64_t r = integer_root(value, power);
-  int64_t p = 1;
-  for (int i = 0; i < power; ++i) p *= r;
-  return p == value;
 }
 
 // Both parse helpers return false for anything but a complete decimal number.
@@ -254,6 +248,21 @@ bool operator==(const ParallelConfig& a, const ParallelConfig& b) {
 
 bool operator!=(const ParallelConfig& a, const ParallelConfig& b) { return !(a == b); }
 
+int grid_side(const ParallelConfig& config) {
+  const int64_t tp = config.tensor();
+  switch (config.tensor_mode()) {
+    case TensorMode::k1D:
+      return config.tensor();
+    case TensorMode::k2D:
+      return static_cast<int>(integer_root(tp, 2));
+    case TensorMode::k2p5D:
+      return static_cast<int>(integer_root(config.tensor_depth() > 0 ? tp / config.tensor_depth() : 0, 2));
+    case TensorMode::k3D:
+      return static_cast<int>(integer_root(tp, 3));
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown tensor mode");
+}
+
 ParallelConfig resolve(const ParallelConfig& config, int world_size) {
   TORCH_CHECK(world_size >= 1, "world size ", world_size, " is invalid: it must be at least 1");
   const std::pair<const char*, int> sizes[] = {{"pipeline", config.pipeline()},
@@ -277,22 +286,22 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size) {
     TORCH_CHECK(depth == 1, "tensor depth ", depth, " is set but tensor mode ", mode,
                 " has no depth; only tensor mode 2.5d uses it");
   }
+  const int64_t q = grid_side(config);
   switch (config.tensor_mode()) {
     case TensorMode::k1D:
       break;
     case TensorMode::k2D:
-      TORCH_CHECK(is_power_of_root(tp, 2), "tensor size ", tp,
-                  " is not a perfect square, which tensor mode 2d requires");
+      TORCH_CHECK(q * q == tp, "tensor size ", tp, " is not a perfect square, which tensor mode 2d requires");
       break;
     case TensorMode::k2p5D:
       TORCH_CHECK(depth >= 1, "tensor depth ", depth, " is invalid: tensor mode 2.5d needs a depth of at least 1");
       TORCH_CHECK(tp % depth == 0, "tensor size ", tp, " is not divisible by tensor depth ", depth,
                   ", which tensor mode 2.5d requires (tensor = q*q*depth)");
-      TORCH_CHECK(is_power_of_root(tp / depth, 2), "tensor size ", tp, " divided by tensor depth ", depth, " is ",
-                  tp / depth, ", which is not a perfect square; tensor mode 2.5d requires tensor = q*q*depth");
+      TORCH_CHECK(q * q == tp / depth, "tensor size ", tp, " divided by tensor depth ", depth, " is ", tp / depth,
+                  ", which is not a perfect square; tensor mode 2.5d requires tensor = q*q*depth");
       break;
     case TensorMode::k3D:
-      TORCH_CHECK(is_power_of_root(tp, 3), "tensor size ", tp, " is not a perfect cube, which tensor mode 3d requires");
+      TORCH_CHECK(q * q * q == tp, "tensor size ", tp, " is not a perfect cube, which tensor mode 3d requires");
       break;
   }
 
@@ -344,6 +353,22 @@ ParallelConfig config_from_args(int argc, const char* const* argv, const Paralle
 }
 
 bool is_parallel_flag(const std::string& flag) { return known_flag(flag); }
+
+void add_grid_options(cli::Command& c, ParallelConfig& g) {
+  c.add("dp", &g.data(), "data-parallel size; 0: what the other sizes leave of the world");
+  c.add("pp", &g.pipeline(), "pipeline stages");
+  c.add("tp", &g.tensor(), "tensor-parallel size (2d: q², 2.5d: q²·depth, 3d: q³)");
+  c.add("tp-mode", &g.tensor_mode(), "tensor-parallel arrangement", "1d|2d|2.5d|3d", parse_tensor_mode,
+        tensor_mode_name);
+  c.add("tp-depth", &g.tensor_depth(), "depth of the 2.5d arrangement");
+  c.add("sp", &g.sequence(), "sequence-parallel size (tensor mode 1d)");
+  c.add("sp-mode", &g.sequence_mode(), "sequence-parallel attention", "ulysses|ring|rsa", parse_sequence_mode,
+        sequence_mode_name);
+  c.add("sp-split", &g.sequence_split(), "tokens per sequence rank: contiguous chunks, or zigzag pairs",
+        "contiguous|zigzag", parse_sequence_split, sequence_split_name);
+  c.add("ep", &g.expert(), "expert-parallel size, carved out of the data size");
+  c.add("order", &g.order(), "grid dimensions, innermost first");
+}
 
 ParallelConfig config_from_json(const std::string& json_text) {
   Json root;

@@ -71,6 +71,14 @@ uint64_t ParallelContext::seed(ParallelMode mode) const {
   return grid_.seed_for(mode, global_rank_, grid_.config().seed());
 }
 
+ParallelContext::Rows ParallelContext::batch_rows(int64_t global_batch) const {
+  const int data = size(ParallelMode::kData);
+  TORCH_CHECK(global_batch > 0 && global_batch % data == 0, "the global batch of ", global_batch,
+              " rows must be divisible by the data-parallel size ", data, " (every replica trains equal rows)");
+  const int64_t count = global_batch / data;
+  return {rank(ParallelMode::kData) * count, count};
+}
+
 std::string ParallelContext::describe() const {
   std::ostringstream out;
   out << "backend " << world_->backend() << ", " << grid_.describe(global_rank_);

@@ -39,17 +39,6 @@ bool tensor_mode_of(ParallelMode mode, TensorMode* out) {
   }
 }
 
-int integer_root(int value, int power) {
-  int r = 1;
-  auto pow = [power](int x) {
-    int64_t p = 1;
-    for (int i = 0; i < power; ++i) p *= x;
-    return p;
-  };
-  while (pow(r + 1) <= value) ++r;
-  return r;
-}
-
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -140,27 +129,20 @@ RankGrid::RankGrid(const ParallelConfig& config, int world_size)
   }
   TORCH_INTERNAL_ASSERT(stride == world_size_, "grid covers ", stride, " ranks, not ", world_size_);
 
-  const int tp = config_.tensor();
+  const int tp = config_.tensor(), q = grid_side(config_);
   switch (config_.tensor_mode()) {
     case TensorMode::k1D:
       axis_size_[kT0] = tp, axis_size_[kT1] = 1, axis_size_[kT2] = 1;
       break;
-    case TensorMode::k2D: {
-      const int q = integer_root(tp, 2);
+    case TensorMode::k2D:
       axis_size_[kT0] = q, axis_size_[kT1] = q, axis_size_[kT2] = 1;  // j, i
       break;
-    }
-    case TensorMode::k2p5D: {
-      const int depth = config_.tensor_depth();
-      const int q = integer_root(tp / depth, 2);
-      axis_size_[kT0] = q, axis_size_[kT1] = q, axis_size_[kT2] = depth;  // j, i, k
+    case TensorMode::k2p5D:
+      axis_size_[kT0] = q, axis_size_[kT1] = q, axis_size_[kT2] = config_.tensor_depth();  // j, i, k
       break;
-    }
-    case TensorMode::k3D: {
-      const int q = integer_root(tp, 3);
+    case TensorMode::k3D:
       axis_size_[kT0] = q, axis_size_[kT1] = q, axis_size_[kT2] = q;  // i, j, k
       break;
-    }
   }
   TORCH_INTERNAL_ASSERT(axis_size_[kT0] * axis_size_[kT1] * axis_size_[kT2] == tp);
   axis_size_[kSeq] = config_.sequence();
@@ -170,6 +152,26 @@ RankGrid::RankGrid(const ParallelConfig& config, int world_size)
 }
 
 int RankGrid::dim_size(Dim dim) const { return dim_size_[dim_index(dim)]; }
+
+bool RankGrid::grid_tensor_mode() const { return config_.tensor() > 1 && config_.tensor_mode() != TensorMode::k1D; }
+
+int RankGrid::q() const { return grid_side(config_); }
+
+int RankGrid::batch_blocks() const {
+  if (!grid_tensor_mode()) return 1;
+  // 2d: the q rows; 2.5d: rows × depth; 3d: the q² (i, k) blocks.
+  return config_.tensor() / q();
+}
+
+int RankGrid::hidden_blocks() const {
+  return config_.tensor_mode() == TensorMode::k2p5D ? config_.tensor() / config_.tensor_depth() : config_.tensor();
+}
+
+int RankGrid::vocab_unit() const { return q(); }
+
+ParallelMode RankGrid::token_mode() const {
+  return config_.sequence() > 1 ? ParallelMode::kDataSequence : ParallelMode::kData;
+}
 
 int RankGrid::stride(Dim dim) const { return stride_[dim_index(dim)]; }
 

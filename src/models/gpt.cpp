@@ -7,6 +7,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -18,18 +19,18 @@ namespace models {
 GPTConfig GPTConfig::preset(const std::string& name) {
   GPTConfig c;
   if (name == "tiny") {
-    c.vocab = 101;  // deliberately not divisible by tensor sizes: exercises padding
-    c.context = 32;
-    c.layers = 2;
-    c.heads = 4;
-    c.hidden = 32;
+    c.vocab(101);  // deliberately not divisible by tensor sizes: exercises padding
+    c.context(32);
+    c.layers(2);
+    c.heads(4);
+    c.hidden(32);
     return c;
   }
   if (name == "small") return c;  // GPT-2 124M
   if (name == "medium") {
-    c.layers = 24;
-    c.heads = 16;
-    c.hidden = 1024;
+    c.layers(24);
+    c.heads(16);
+    c.hidden(1024);
     return c;
   }
   TORCH_CHECK(false, "unknown GPT preset '", name, "'; presets: tiny, small, medium");
@@ -38,24 +39,24 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 class GPTBlockImpl : public torch::nn::Module {
  public:
   GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f, bool moe, std::shared_ptr<nn::MoELossScale> aux_loss_scale)
-      : f_(f), heads_(f.local_heads(c.heads)), head_dim_(c.hidden / c.heads), checkpoint_(c.checkpoint_activations) {
-    TORCH_CHECK(c.hidden % c.heads == 0, "GPT hidden size ", c.hidden, " is not divisible by heads ", c.heads);
-    ln_1 = f.layer_norm(c.hidden);
-    c_attn = f.linear(c.hidden, 3 * c.hidden, nn::LinearRole::kColumn, true);
-    core_attention = f.core_attention(c.heads, head_dim_, c.dropout);
-    attn_proj = f.linear(c.hidden, c.hidden, nn::LinearRole::kRow, true);
-    resid_drop_1 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
-    ln_2 = f.layer_norm(c.hidden);
-    mlp = moe ? f.moe(nn::MoEOptions(c.hidden, 4 * c.hidden, c.experts)
-                          .top_k(c.top_k)
-                          .renormalize(c.renormalize)
-                          .capacity_factor(c.capacity_factor)
-                          .drop_policy(c.drop_policy)
-                          .aux_loss_coef(c.aux_loss_coef)
-                          .z_loss_coef(c.z_loss_coef),
+      : f_(f), heads_(f.local_heads(c.heads())), head_dim_(c.hidden() / c.heads()), checkpoint_(c.checkpoint_activations()) {
+    TORCH_CHECK(c.hidden() % c.heads() == 0, "GPT hidden size ", c.hidden(), " is not divisible by heads ", c.heads());
+    ln_1 = f.layer_norm(c.hidden());
+    c_attn = f.linear(c.hidden(), 3 * c.hidden(), nn::LinearRole::kColumn, true);
+    core_attention = f.core_attention(c.heads(), head_dim_, c.dropout());
+    attn_proj = f.linear(c.hidden(), c.hidden(), nn::LinearRole::kRow, true);
+    resid_drop_1 = f.dropout(c.dropout(), nn::DropoutSite::kBlock);
+    ln_2 = f.layer_norm(c.hidden());
+    mlp = moe ? f.moe(nn::MoEOptions(c.hidden(), 4 * c.hidden(), c.experts())
+                          .top_k(c.top_k())
+                          .renormalize(c.renormalize())
+                          .capacity_factor(c.capacity_factor())
+                          .drop_policy(c.drop_policy())
+                          .aux_loss_coef(c.aux_loss_coef())
+                          .z_loss_coef(c.z_loss_coef()),
                       std::move(aux_loss_scale))
-              : f.mlp(c.hidden, 4 * c.hidden);
-    resid_drop_2 = f.dropout(c.dropout, nn::DropoutSite::kBlock);
+              : f.mlp(c.hidden(), 4 * c.hidden());
+    resid_drop_2 = f.dropout(c.dropout(), nn::DropoutSite::kBlock);
     const std::pair<const char*, torch::nn::AnyModule*> children[] = {
         {"ln_1", &ln_1}, {"c_attn", &c_attn}, {"core_attention", &core_attention}, {"attn_proj", &attn_proj},
         {"resid_drop_1", &resid_drop_1}, {"ln_2", &ln_2}, {"mlp", &mlp}, {"resid_drop_2", &resid_drop_2}};
@@ -99,7 +100,7 @@ at::Tensor embed(nn::LayerFactory& f, const GPTConfig& c, torch::nn::AnyModule& 
                  torch::nn::AnyModule& drop, const at::Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2, "GPT expects token ids [batch, sequence], got shape ", ids.sizes());
   const int64_t s = ids.size(1);
-  TORCH_CHECK(s <= c.context, "sequence length ", s, " exceeds the context length ", c.context);
+  TORCH_CHECK(s <= c.context(), "sequence length ", s, " exceeds the context length ", c.context());
   at::Tensor positions = f.positions(s).to(ids.device());
   return drop.forward(wte.forward(ids) + wpe.forward(positions));
 }
@@ -141,30 +142,30 @@ class GPTHeadImpl : public torch::nn::Module {
 GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> factory)
     : config_(config), factory_(std::move(factory)) {
   TORCH_CHECK(factory_ != nullptr, "GPT needs a layer factory");
-  TORCH_CHECK(config_.vocab > 0 && config_.context > 0 && config_.layers > 0 && config_.heads > 0 && config_.hidden > 0,
+  TORCH_CHECK(config_.vocab() > 0 && config_.context() > 0 && config_.layers() > 0 && config_.heads() > 0 && config_.hidden() > 0,
               "GPT config sizes must be positive");
   nn::LayerFactory& f = *factory_;
-  wte_ = f.vocab_embedding(config_.vocab, config_.hidden);
-  wpe_ = f.position_embedding(config_.context, config_.hidden);
-  drop_ = f.dropout(config_.dropout, nn::DropoutSite::kBlock);
+  wte_ = f.vocab_embedding(config_.vocab(), config_.hidden());
+  wpe_ = f.position_embedding(config_.context(), config_.hidden());
+  drop_ = f.dropout(config_.dropout(), nn::DropoutSite::kBlock);
   register_module("wte", wte_.ptr());
   register_module("wpe", wpe_.ptr());
   register_module("drop", drop_.ptr());
-  TORCH_CHECK(config_.experts >= 0 && config_.moe_every >= 1, "GPT: experts (", config_.experts,
-              ") must be >= 0 and moe_every (", config_.moe_every, ") >= 1");
-  TORCH_CHECK(config_.experts > 0 || f.expert_size() == 1, "GPT: expert size ", f.expert_size(),
+  TORCH_CHECK(config_.experts() >= 0 && config_.moe_every() >= 1, "GPT: experts (", config_.experts(),
+              ") must be >= 0 and moe_every (", config_.moe_every(), ") >= 1");
+  TORCH_CHECK(config_.experts() > 0 || f.expert_size() == 1, "GPT: expert size ", f.expert_size(),
               " is configured, but the model has no mixture-of-experts blocks (experts 0); set experts or expert "
               "size 1");
-  TORCH_CHECK(config_.experts == 0 || config_.moe_every <= config_.layers, "GPT: moe_every ", config_.moe_every,
-              " exceeds the ", config_.layers, " layers, so no block would have experts; lower moe_every");
-  for (int64_t i = 0; i < config_.layers; ++i) {
+  TORCH_CHECK(config_.experts() == 0 || config_.moe_every() <= config_.layers(), "GPT: moe_every ", config_.moe_every(),
+              " exceeds the ", config_.layers(), " layers, so no block would have experts; lower moe_every");
+  for (int64_t i = 0; i < config_.layers(); ++i) {
     blocks_.push_back(std::make_shared<GPTBlockImpl>(config_, f, config_.moe_block(i), aux_loss_scale_));
     register_module("h" + std::to_string(i), blocks_.back());
   }
-  ln_f_ = f.layer_norm(config_.hidden);
+  ln_f_ = f.layer_norm(config_.hidden());
   register_module("ln_f", ln_f_.ptr());
-  if (!config_.tied) {
-    lm_head_ = f.vocab_embedding(config_.vocab, config_.hidden);
+  if (!config_.tied()) {
+    lm_head_ = f.vocab_embedding(config_.vocab(), config_.hidden());
     register_module("lm_head", lm_head_.ptr());
   }
   reset_parameters();
@@ -174,7 +175,7 @@ void GPTImpl::reset_parameters() {
   // Note [Layout-independent initialization]: one seed from the default
   // generator, each rank draws the blocks of its own region only.
   const uint64_t seed = nn::draw_seed();
-  const double std = 0.02, proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.layers));
+  const double std = 0.02, proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.layers()));
   at::NoGradGuard no_grad;
   for (const auto& [name, p] : placements()) {
     const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
@@ -193,19 +194,19 @@ at::Tensor GPTImpl::forward(const at::Tensor& ids) {
   at::Tensor x = embed(*factory_, config_, wte_, wpe_, drop_, ids);
   for (auto& block : blocks_) x = block->forward(x);
   x = ln_f_.forward(x);
-  return factory_->lm_logits(x, config_.tied ? wte_ : lm_head_);
+  return factory_->lm_logits(x, config_.tied() ? wte_ : lm_head_);
 }
 
 torch::nn::Sequential GPTImpl::as_sequential() {
   torch::nn::Sequential seq;
   seq->push_back("embed", std::make_shared<GPTEmbeddingImpl>(config_, factory_, wte_, wpe_, drop_));
   for (size_t i = 0; i < blocks_.size(); ++i) seq->push_back("h" + std::to_string(i), blocks_[i]);
-  seq->push_back("head", std::make_shared<GPTHeadImpl>(factory_, ln_f_, config_.tied ? wte_ : lm_head_, config_.tied));
+  seq->push_back("head", std::make_shared<GPTHeadImpl>(factory_, ln_f_, config_.tied() ? wte_ : lm_head_, config_.tied()));
   return seq;
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return factory_->loss(logits, targets, config_.vocab);
+  return factory_->loss(logits, targets, config_.vocab());
 }
 
 std::vector<nn::MoEStats> GPTImpl::moe_stats() const {
@@ -213,6 +214,38 @@ std::vector<nn::MoEStats> GPTImpl::moe_stats() const {
   for (const auto& block : blocks_)
     if (auto moe = std::dynamic_pointer_cast<nn::MoEImpl>(block->mlp.ptr())) out.push_back(moe->last_stats());
   return out;
+}
+
+MoEBalance GPTImpl::moe_balance(comm::Communicator& world) const {
+  MoEBalance b;
+  if (config_.experts() == 0) return b;
+  double layers = 0;
+  for (const auto& s : moe_stats()) {
+    if (s.tokens_per_expert.empty()) continue;  // a block of another pipeline stage
+    double total = 0, most = 0;
+    for (int64_t t : s.tokens_per_expert) {
+      total += static_cast<double>(t);
+      most = std::max(most, static_cast<double>(t));
+    }
+    const double mean = total / static_cast<double>(s.tokens_per_expert.size());
+    b.max_over_mean = std::max(b.max_over_mean, mean > 0 ? most / mean : 0.0);
+    b.aux_loss += s.aux_loss;
+    b.dropped += static_cast<double>(s.dropped);
+    layers += 1;
+  }
+  // A layer's statistics are global already, but each pipeline stage holds
+  // its own layers: sums over the world divided by the number of (rank,
+  // layer) pairs count every layer's replicas alike.
+  at::Tensor sums = at::tensor({b.aux_loss, b.dropped, layers}, at::kDouble);
+  at::Tensor most = at::tensor({b.max_over_mean}, at::kDouble);
+  auto control = world.control();
+  control->all_reduce(sums)->wait();
+  control->all_reduce(most, comm::AllReduceOptions{comm::ReduceOp::kMax})->wait();
+  const double pairs = std::max(1.0, sums[2].item<double>());
+  b.aux_loss = sums[0].item<double>() / pairs;
+  b.dropped = sums[1].item<double>() / pairs;
+  b.max_over_mean = most[0].item<double>();
+  return b;
 }
 
 void GPTImpl::reduce_partial_gradients() { nn::reduce_partial_gradients(placements()); }

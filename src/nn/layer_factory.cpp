@@ -1,6 +1,7 @@
 // What every layer factory shares, and the choice of factory by the context.
 #include "tessera/nn/layer_factory.h"
 
+#include "tessera/context/layout.h"
 #include "tessera/core/hash.h"
 #include "tessera/nn/attention.h"
 
@@ -31,33 +32,17 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
                                                  bool row_keyed_dropout) {
   TORCH_CHECK(ctx != nullptr, "make_layer_factory: the ParallelContext is null");
   const auto& c = ctx->config();
-  const bool grid = c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D;
-  TORCH_CHECK(!row_keyed_dropout || (!grid && !sequence_parallel && c.sequence() == 1),
-              "row-keyed dropout (Note [Row-keyed dropout]) runs on tensor mode 1d without sequence parallelism, "
-              "whose block activations hold whole samples; the context has tensor mode ",
-              context::tensor_mode_name(c.tensor_mode()), ", sequence size ", c.sequence(),
-              sequence_parallel ? " and the sequence-parallel variant" : "", "; use tensor mode 1d and sequence size 1");
-  TORCH_CHECK(!grid || !sequence_parallel, "the sequence-parallel variant belongs to tensor mode 1d; tensor mode ",
-              context::tensor_mode_name(c.tensor_mode()), " already splits every activation over the grid");
-  TORCH_CHECK(c.sequence() == 1 || !grid, "sequence size ", c.sequence(), " (mode ",
-              context::sequence_mode_name(c.sequence_mode()), ") runs on tensor mode 1d, but tensor mode ",
-              context::tensor_mode_name(c.tensor_mode()),
-              " is configured; use tensor mode 1d with sequence parallelism, or sequence size 1");
-  TORCH_CHECK(c.sequence() == 1 || !sequence_parallel, "sequence size ", c.sequence(),
-              " and the 1D layers' sequence-parallel variant both split the sequence; use one of them");
-  TORCH_CHECK(c.expert() == 1 || !grid, "expert size ", c.expert(), " runs on tensor mode 1d, but tensor mode ",
-              context::tensor_mode_name(c.tensor_mode()),
-              " is configured; use tensor mode 1d with experts, or expert size 1");
-  TORCH_CHECK(c.expert() == 1 || !sequence_parallel, "expert size ", c.expert(),
-              " and the 1D layers' sequence-parallel variant do not combine (each tensor rank would route other "
-              "tokens); use sequence parallelism (sequence size > 1) instead of the variant, or expert size 1");
+  // The context is the authority on which layouts the layers carry out.
+  context::check_supported(
+      context::Layout(c).sequence_parallel(sequence_parallel).row_keyed_dropout(row_keyed_dropout));
+  const bool grid = ctx->grid().grid_tensor_mode();
   if (grid) return c.tensor_mode() == context::TensorMode::k3D ? make_3d_factory(ctx) : make_2d_factory(ctx);
   // Experts split over the expert group, replicated over expert-data; the
   // auxiliary losses' statistics span every rank holding other tokens.
   MoEGroups experts;
   experts.expert = ctx->comm(context::ParallelMode::kExpert);
   experts.expert_data = ctx->comm(context::ParallelMode::kExpertData);
-  experts.tokens = ctx->comm(c.sequence() > 1 ? context::ParallelMode::kDataSequence : context::ParallelMode::kData);
+  experts.tokens = ctx->comm(ctx->grid().token_mode());
   experts.gradient_average = ctx->size(context::ParallelMode::kData);
   if (c.sequence() > 1) {
     // Block activations differ across data and sequence ranks; sharded ones

@@ -58,6 +58,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// A remote message of a run: what is sent, or for a receive, what its
+// header says arrives.
+struct Message {
+  Action action;
+  at::Tensor payload;
+  int peer = 0;
+};
+
 }  // namespace
 
 struct PipelineExecutor::Impl {
@@ -99,6 +107,9 @@ struct PipelineExecutor::Impl {
   // order, so the gathers over the data group line up.
   std::shared_ptr<ShardedModule> sharded;
   std::map<int, std::vector<size_t>> stage_units;  // stage -> units of `sharded`
+
+  void deliver(const Action& a, const at::Tensor& payload);
+  void exchange(std::vector<Message>& messages, bool sends_apart, comm::Communicator& payload_group);
 };
 
 PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx,
@@ -185,6 +196,14 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
               " micro-batches has message batches that deadlock when sends block until received, as NCCL's do "
               "(Note [Pipeline message batches]); use gpipe, 1f1b or zb-h1, another number of micro-batches, or "
               "the mpi backend");
+  if (options_.shard()) {
+    // Note [ZeRO-3 under a pipeline]: the gather hook, once; the function is not kept.
+    impl_->sharded = options_.shard()(local_layers());
+    options_.shard(nullptr);
+    if (impl_->sharded)
+      for (const auto& [stage, chunk] : chunks_)
+        impl_->stage_units[stage] = impl_->sharded->units_holding(chunk->parameters());
+  }
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
@@ -230,19 +249,11 @@ std::vector<at::Tensor> PipelineExecutor::unique_parameters() const {
   return out;
 }
 
-std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> PipelineExecutor::local_layers() const {
+LocalLayers PipelineExecutor::local_layers() const {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
   for (const auto& [s, chunk] : chunks_)
     for (const auto& item : chunk->named_children()) out.emplace_back(item.key(), item.value());
   return out;
-}
-
-void PipelineExecutor::set_sharded(std::shared_ptr<ShardedModule> sharded) {
-  impl_->stage_units.clear();
-  impl_->sharded = std::move(sharded);
-  if (!impl_->sharded) return;
-  for (const auto& [stage, chunk] : chunks_)
-    impl_->stage_units[stage] = impl_->sharded->units_holding(chunk->parameters());
 }
 
 double PipelineExecutor::run(const at::Tensor& inputs, const at::Tensor& targets, double loss_scale) {
@@ -283,118 +294,87 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
   const std::vector<int>& batch_of = (&schedule == &schedule_ ? batches_ : forward_batches_)[me];
   size_t i = 0;
   while (i < actions.size()) {
-    if (actions[i].is_compute()) {
+    if (!actions[i].is_compute()) {
       const auto t0 = std::chrono::steady_clock::now();
-      run_action(actions[i]);
-      const double dt = seconds_since(t0);
-      stats_.compute_seconds += dt;
-      stats_.seconds[static_cast<int>(actions[i].kind)] += dt;
-      ++stats_.count[static_cast<int>(actions[i].kind)];
-      ++i;
+      i = run_messages(actions, i, batch_of);
+      stats_.wait_seconds += seconds_since(t0);
       continue;
     }
-    // A run of consecutive messages: its sends are taken from their slots,
-    // then it is exchanged whole, or batch by batch where sends wait for
-    // their receivers, each exchange in two phases: headers on the control
-    // channel, payloads on the device channel (Note [Pipeline message batches]).
-    struct Message {
-      Action action;
-      at::Tensor payload;  // what is sent; for a receive, filled from its header
-      int peer = 0;
-    };
-    std::vector<Message> run;                     // in action order
-    std::map<int, std::vector<Message>> batches;  // batch number -> its messages, in action order
-    std::vector<Action> local;                    // hand-overs between this rank's own stages
-    for (; i < actions.size() && !actions[i].is_compute(); ++i) {
-      const Action& a = actions[i];
-      const bool act = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation;
-      const int batch = batch_of[i];
-      if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGrad) {
-        Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
-        at::Tensor t = (act ? slot.output : slot.input_grad).detach().contiguous();
-        const int to = act ? a.stage + 1 : a.stage - 1;
-        if (schedule_.rank_of(to) == me) {
-          st.mailbox[{act, a.microbatch, to}] = t;
-        } else {
-          (st.paired ? batches[batch] : run).push_back({a, t, schedule_.rank_of(to)});
-        }
-        if (!act) slot.input_grad = at::Tensor();
-        if (act && st.forward_only) st.slots.erase({a.microbatch, a.stage});  // nothing to keep for a backward
-      } else {
-        const int from = act ? a.stage - 1 : a.stage + 1;
-        if (schedule_.rank_of(from) == me) {
-          local.push_back(a);
-        } else {
-          (st.paired ? batches[batch] : run).push_back({a, at::Tensor(), schedule_.rank_of(from)});
-        }
-      }
-    }
     const auto t0 = std::chrono::steady_clock::now();
-    auto deliver = [&](const Action& a, const at::Tensor& payload) {
-      Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
-      if (a.kind == ActionKind::kRecvActivation) {
-        slot.input = payload.detach();
-        if (slot.input.is_floating_point() && !st.forward_only) slot.input.requires_grad_(true);
-      } else {
-        slot.grad_output = payload;
-      }
-    };
-    // One exchange: headers, then payloads. Where sends may be posted apart
-    // (they do not wait for their receivers, or the batches would not
-    // complete with them), they go first and are waited at the end of the
-    // step; otherwise each phase is one batch with the receives.
-    const bool sends_apart = !st.paired || st.sends_block;
-    auto exchange = [&](std::vector<Message>& messages) {
-      std::vector<comm::P2POp> headers, payloads, header_sends, payload_sends;
-      for (const auto& msg : messages) {
-        if (!msg.payload.defined()) continue;
-        const bool act = msg.action.kind == ActionKind::kSendActivation;
-        const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
-        header_sends.push_back(
-            {comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to), msg.peer});
-        payload_sends.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
-      }
-      if (sends_apart && !header_sends.empty()) {
-        st.sends.push_back(st.control->batch_isend_irecv(header_sends));
-        st.sends.push_back(group_->batch_isend_irecv(payload_sends));
-      } else {
-        headers = std::move(header_sends);
-        payloads = std::move(payload_sends);
-      }
-      std::vector<std::pair<Message*, size_t>> receiving;  // the message, its header's index
-      for (auto& msg : messages) {
-        if (msg.payload.defined()) continue;
-        receiving.emplace_back(&msg, headers.size());
-        headers.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
-      }
-      if (!headers.empty()) st.control->batch_isend_irecv(headers)->wait();
-      for (auto& [msg, k] : receiving) {
-        msg->payload = empty_from_header(headers[k].tensor, msg->action, st.device);
-        payloads.push_back({comm::P2POp::Kind::kRecv, msg->payload, msg->peer});
-      }
-      if (!payloads.empty()) group_->batch_isend_irecv(payloads)->wait();
-      for (auto& [msg, k] : receiving) deliver(msg->action, msg->payload);
-    };
-    if (sends_apart) {
-      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(), [](auto& w) { return w->is_completed(); }),
-                     st.sends.end());
-    }
-    if (!run.empty()) exchange(run);
-    for (auto& [number, messages] : batches) exchange(messages);
-    for (const auto& a : local) {
-      auto it = st.mailbox.find({a.kind == ActionKind::kRecvActivation, a.microbatch, a.stage});
-      TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", a.to_string());
-      deliver(a, it->second);
-      st.mailbox.erase(it);
-    }
-    stats_.wait_seconds += seconds_since(t0);
+    run_action(actions[i]);
+    const double dt = seconds_since(t0);
+    stats_.compute_seconds += dt;
+    stats_.seconds[static_cast<int>(actions[i].kind)] += dt;
+    ++stats_.count[static_cast<int>(actions[i].kind)];
+    ++i;
   }
+  return finish_run();
+}
 
+// A run of consecutive messages from actions[first]: its sends are taken
+// from their slots, then it is exchanged whole, or batch by batch where
+// sends wait for their receivers, each exchange in two phases: headers on
+// the control channel, payloads on the device channel (Note [Pipeline
+// message batches]). Returns the index after the run.
+size_t PipelineExecutor::run_messages(const std::vector<Action>& actions, size_t first,
+                                      const std::vector<int>& batch_of) {
+  Impl& st = *impl_;
+  const int me = group_->rank();
+  std::vector<Message> run;                     // in action order
+  std::map<int, std::vector<Message>> batches;  // batch number -> its messages, in action order
+  std::vector<Action> local;                    // hand-overs between this rank's own stages
+  size_t i = first;
+  for (; i < actions.size() && !actions[i].is_compute(); ++i) {
+    const Action& a = actions[i];
+    const bool act = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation;
+    auto& to_post = st.paired ? batches[batch_of[i]] : run;
+    if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGrad) {
+      Impl::Slot& slot = st.slots[{a.microbatch, a.stage}];
+      at::Tensor t = (act ? slot.output : slot.input_grad).detach().contiguous();
+      const int to = act ? a.stage + 1 : a.stage - 1;
+      if (schedule_.rank_of(to) == me) {
+        st.mailbox[{act, a.microbatch, to}] = t;
+      } else {
+        to_post.push_back({a, t, schedule_.rank_of(to)});
+      }
+      if (!act) slot.input_grad = at::Tensor();
+      if (act && st.forward_only) st.slots.erase({a.microbatch, a.stage});  // nothing to keep for a backward
+    } else {
+      const int from = act ? a.stage - 1 : a.stage + 1;
+      if (schedule_.rank_of(from) == me) {
+        local.push_back(a);
+      } else {
+        to_post.push_back({a, at::Tensor(), schedule_.rank_of(from)});
+      }
+    }
+  }
+  // Where sends may be posted apart (they do not wait for their receivers,
+  // or the batches would not complete with them), they go first and are
+  // waited at the end of the step; otherwise each phase is one batch with
+  // the receives.
+  const bool sends_apart = !st.paired || st.sends_block;
+  if (sends_apart)
+    st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(), [](auto& w) { return w->is_completed(); }),
+                   st.sends.end());
+  if (!run.empty()) st.exchange(run, sends_apart, *group_);
+  for (auto& [number, messages] : batches) st.exchange(messages, sends_apart, *group_);
+  for (const auto& a : local) {
+    auto it = st.mailbox.find({a.kind == ActionKind::kRecvActivation, a.microbatch, a.stage});
+    TORCH_INTERNAL_ASSERT(it != st.mailbox.end(), "pipeline: local message missing for ", a.to_string());
+    st.deliver(a, it->second);
+    st.mailbox.erase(it);
+  }
+  return i;
+}
+
+// The step's end: the sends posted apart, the tied weights' gradients, and
+// the loss from the last stage to every rank.
+double PipelineExecutor::finish_run() {
+  Impl& st = *impl_;
   for (auto& w : st.sends) w->wait();
   st.sends.clear();
   TORCH_INTERNAL_ASSERT(st.mailbox.empty(), "pipeline: ", st.mailbox.size(), " local messages never received");
   st.slots.clear();
-
   if (tied_group_ && !tied_.empty() && !st.forward_only) {
     for (auto& p : tied_) {
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
@@ -404,9 +384,51 @@ double PipelineExecutor::run_schedule(const Schedule& schedule, const at::Tensor
   }
   at::Tensor loss = at::tensor({st.loss}, at::kDouble);
   comm::BroadcastOptions b;
-  b.root = schedule_.rank_of(stages - 1);
+  b.root = schedule_.rank_of(schedule_.stages() - 1);
   st.control->broadcast(loss, b);
   return loss.item<double>();
+}
+
+void PipelineExecutor::Impl::deliver(const Action& a, const at::Tensor& payload) {
+  Slot& slot = slots[{a.microbatch, a.stage}];
+  if (a.kind == ActionKind::kRecvActivation) {
+    slot.input = payload.detach();
+    if (slot.input.is_floating_point() && !forward_only) slot.input.requires_grad_(true);
+  } else {
+    slot.grad_output = payload;
+  }
+}
+
+// One exchange: headers, then payloads (Note [Pipeline message batches]).
+void PipelineExecutor::Impl::exchange(std::vector<Message>& messages, bool sends_apart, comm::Communicator& payload_group) {
+  std::vector<comm::P2POp> headers, payloads, header_sends, payload_sends;
+  for (const auto& msg : messages) {
+    if (!msg.payload.defined()) continue;
+    const bool act = msg.action.kind == ActionKind::kSendActivation;
+    const int to = act ? msg.action.stage + 1 : msg.action.stage - 1;
+    header_sends.push_back({comm::P2POp::Kind::kSend, make_header(msg.payload, act, msg.action.microbatch, to), msg.peer});
+    payload_sends.push_back({comm::P2POp::Kind::kSend, msg.payload, msg.peer});
+  }
+  if (sends_apart && !header_sends.empty()) {
+    sends.push_back(control->batch_isend_irecv(header_sends));
+    sends.push_back(payload_group.batch_isend_irecv(payload_sends));
+  } else {
+    headers = std::move(header_sends);
+    payloads = std::move(payload_sends);
+  }
+  std::vector<std::pair<Message*, size_t>> receiving;  // the message, its header's index
+  for (auto& msg : messages) {
+    if (msg.payload.defined()) continue;
+    receiving.emplace_back(&msg, headers.size());
+    headers.push_back({comm::P2POp::Kind::kRecv, at::empty({kHeaderFields}, at::kLong), msg.peer});
+  }
+  if (!headers.empty()) control->batch_isend_irecv(headers)->wait();
+  for (auto& [msg, k] : receiving) {
+    msg->payload = empty_from_header(headers[k].tensor, msg->action, device);
+    payloads.push_back({comm::P2POp::Kind::kRecv, msg->payload, msg->peer});
+  }
+  if (!payloads.empty()) payload_group.batch_isend_irecv(payloads)->wait();
+  for (auto& [msg, k] : receiving) deliver(msg->action, msg->payload);
 }
 
 void PipelineExecutor::run_action(const Action& a) {

@@ -2,6 +2,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/parallel/flat_bucket.h"
+#include "tessera/parallel/module_layout.h"
 #include "tessera/parallel/unit_host.h"
 
 #include "shard_state.h"
@@ -40,13 +41,6 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   size_t slot_;
 };
 
-ParamSlot make_slot(std::string name, const at::Tensor& param) {
-  ParamSlot slot;
-  slot.name = std::move(name);
-  slot.param = param;
-  return slot;
-}
-
 struct StateCapsule : torch::CustomClassHolder {
   std::weak_ptr<ShardState> state;
   std::vector<size_t> units;
@@ -84,19 +78,13 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   // group within the same reduction, and averages over data only; the
   // sequence group is then dropped from the buckets' partial groups (of the
   // parameters reduced over the wrapper's group: Note [Replica groups]).
-  const bool sequence = !options_.group() && ctx_->has(context::ParallelMode::kSequence) &&
-                        ctx_->size(context::ParallelMode::kSequence) > 1;
-  group_ = options_.group()
-               ? options_.group()
-               : ctx_->comm(sequence ? context::ParallelMode::kDataSequence : context::ParallelMode::kData);
+  const context::ParallelMode tokens = ctx_->grid().token_mode();
+  const bool sequence = !options_.group() && tokens == context::ParallelMode::kDataSequence;
+  group_ = options_.group() ? options_.group() : ctx_->comm(tokens);
   const comm::CommunicatorPtr covered = sequence ? ctx_->comm(context::ParallelMode::kSequence) : nullptr;
   const int replicas = group_->size() / (covered ? covered->size() : 1);
   TORCH_CHECK(options_.bucket_bytes() > 0, "ShardedModule: bucket_bytes must be positive, got ",
               options_.bucket_bytes());
-  const ShardDegrees degrees = options_.spec().resolve(group_->size());
-  state_ = std::make_shared<ShardState>();
-  ShardState& s = *state_;
-  s.layouts.push_back(std::make_unique<ShardLayout>(group_, degrees));
 
   // Note [Replica groups]
   // A parameter whose placement names a replica group smaller than the
@@ -110,177 +98,31 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   // the sum over all data ranks. Its placement names the axis over which the
   // values differ (Shard(0) over the expert group for stacked experts), so
   // norms and checkpoints see the whole tensor.
-  std::map<const void*, size_t> layout_of;  // parameter -> index into s.layouts
-  {
-    std::vector<comm::CommunicatorPtr> replica_groups;
-    for (const auto& [name, p] : options_.placements()) {
-      const auto& r = p.replica_group;
-      if (!r || r.get() == group_.get() || r->size() == group_->size()) continue;
-      TORCH_CHECK(group_->size() % r->size() == 0, "ShardedModule: parameter '", name, "' names a replica group of ",
-                  r->size(), " ranks, which does not divide the wrapper's group of ", group_->size(),
-                  " ranks; a replica group must be a sub-group of it (expert-data inside data)");
-      auto it = std::find(replica_groups.begin(), replica_groups.end(), r);
-      if (it == replica_groups.end()) {
-        ShardDegrees replica_degrees;
-        try {
-          replica_degrees = options_.spec().resolve(r->size());
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, "ShardedModule: parameter '", name, "' is replicated over a replica group of ", r->size(),
-                      " ranks ('", r->name(), "'), over which sharding spec ", options_.spec().to_string(),
-                      " cannot be laid out: ", e.what_without_backtrace(),
-                      "; choose a spec whose degrees divide every replica group's size");
-        }
-        s.layouts.push_back(std::make_unique<ShardLayout>(r, replica_degrees));
-        it = replica_groups.insert(replica_groups.end(), r);
-      }
-      layout_of[p.param.unsafeGetTensorImpl()] = 1 + static_cast<size_t>(it - replica_groups.begin());
-    }
-  }
-  auto layout_index = [&](const at::Tensor& param) {
-    auto it = layout_of.find(param.unsafeGetTensorImpl());
-    return it == layout_of.end() ? size_t{0} : it->second;
-  };
+  ModuleLayout plan = plan_module_layout(*module_, group_, covered, options_);
+  state_ = std::make_shared<ShardState>();
+  ShardState& s = *state_;
+  for (const auto& l : plan.layouts) s.layouts.push_back(std::make_unique<ShardLayout>(l.group, l.degrees));
   s.prefetch = options_.prefetch();
   s.overlap = options_.overlap();
   s.scale = options_.average() ? 1.0 / replicas : 1.0;
-  const bool materialize = degrees.params > 1 || options_.offload_params();
-
   if (options_.sync_module_states() && group_->size() > 1) {
     at::NoGradGuard no_grad;
     auto states = module_->parameters();
     for (auto& b : module_->buffers()) states.push_back(b);
     for (auto& t : states) {
       at::Tensor buf = t.is_contiguous() ? t.detach() : t.detach().contiguous();
-      s.layouts[layout_index(t)]->group()->broadcast(buf);
+      s.layouts[plan.layout_index(t)]->group()->broadcast(buf);
       if (!buf.is_same(t)) t.detach().copy_(buf);
     }
   }
-
-  // Which parameters form which unit (Note [Units and gathering]).
-  std::vector<std::string> units = options_.units();
-  auto named_modules = module_->named_modules();
-  if (units.empty() && materialize) {
-    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
-      for (const auto& child : seq->named_children()) units.push_back(child.key());
-    }
+  for (auto& b : plan.buckets) {
+    s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(b.slots), *s.layouts[b.layout],
+                                                     plan.materialize, options_.offload_params(), s.counter));
+    s.buckets.back()->set_partial_groups(b.partial_groups);
   }
-  std::vector<std::vector<ParamSlot>> unit_params(units.size());
-  std::vector<ParamSlot> rest;
-  std::set<const void*> claimed;
-  {
-    std::vector<size_t> order(units.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    // Deeper names first, so a nested unit keeps its own parameters.
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return units[a].size() > units[b].size(); });
-    for (size_t i : order) {
-      const auto* found = named_modules.find(units[i]);
-      TORCH_CHECK(found != nullptr, "ShardedModule: unit '", units[i],
-                  "' is not a submodule name of the module; names are those of named_modules(), e.g. 'layers.0'");
-      for (const auto& p : (*found)->named_parameters(true)) {
-        if (!p.value().requires_grad() || !claimed.insert(p.value().unsafeGetTensorImpl()).second) continue;
-        unit_params[i].push_back(make_slot(units[i] + "." + p.key(), p.value()));
-      }
-    }
-    // Registration order inside each unit.
-    std::map<const void*, size_t> position;
-    size_t pos = 0;
-    for (const auto& p : module_->named_parameters(true)) position.emplace(p.value().unsafeGetTensorImpl(), pos++);
-    for (auto& list : unit_params) {
-      std::sort(list.begin(), list.end(), [&](const ParamSlot& a, const ParamSlot& b) {
-        return position[a.param.unsafeGetTensorImpl()] < position[b.param.unsafeGetTensorImpl()];
-      });
-    }
-    // A parameter registered twice (a tied embedding in a Sequential's first
-    // and last layers) gets one slot: two would reduce and count it twice.
-    for (const auto& p : module_->named_parameters(true)) {
-      if (p.value().requires_grad() && claimed.insert(p.value().unsafeGetTensorImpl()).second)
-        rest.push_back(make_slot(p.key(), p.value()));
-    }
-  }
-
-  // Buckets, in the order backward produces gradients: reverse registration.
-  auto same_kind = [](const ParamSlot& a, const ParamSlot& b) {
-    return a.param.scalar_type() == b.param.scalar_type() && a.param.device() == b.param.device();
-  };
-  auto add_plain_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes, size_t layout,
-                               const std::vector<comm::CommunicatorPtr>& partial_groups) {
-    std::vector<size_t> made;
-    std::reverse(slots.begin(), slots.end());
-    std::vector<ParamSlot> current;
-    int64_t bytes = 0;
-    auto flush = [&] {
-      if (current.empty()) return;
-      made.push_back(s.buckets.size());
-      s.buckets.push_back(std::make_unique<FlatBucket>(s.buckets.size(), std::move(current), *s.layouts[layout],
-                                                       materialize,
-                                                       options_.offload_params(), s.counter));
-      s.buckets.back()->set_partial_groups(partial_groups);
-      current.clear();
-      bytes = 0;
-    };
-    for (auto& slot : slots) {
-      const int64_t b = slot.param.numel() * static_cast<int64_t>(slot.param.element_size());
-      if (!current.empty() && (!same_kind(current.back(), slot) || (cap_bytes > 0 && bytes + b > cap_bytes))) flush();
-      bytes += b;
-      current.push_back(std::move(slot));
-    }
-    flush();
-    return made;
-  };
-  // Gradient groups per parameter: parameters whose gradients are partial
-  // over the same groups share buckets (the same on every rank of those
-  // groups, so the chunks summed over them line up).
-  std::map<const void*, std::vector<comm::CommunicatorPtr>> partial;
-  for (const auto& [name, p] : options_.placements()) {
-    auto groups = p.gradient_groups();
-    // Only the wrapper's own reduction spans the sequence group; a parameter
-    // reduced over a replica group (experts) still sums over it as a partial group.
-    if (layout_index(p.param) == 0) groups.erase(std::remove(groups.begin(), groups.end(), covered), groups.end());
-    if (!groups.empty()) partial[p.param.unsafeGetTensorImpl()] = std::move(groups);
-  }
-  auto groups_of = [&](const ParamSlot& slot) {
-    auto it = partial.find(slot.param.unsafeGetTensorImpl());
-    return it == partial.end() ? std::vector<comm::CommunicatorPtr>{} : it->second;
-  };
-  auto add_buckets = [&](std::vector<ParamSlot> slots, int64_t cap_bytes) {
-    // Sets of (layout, gradient groups) in order of first appearance (the
-    // same on every rank), the wrapper's layout without partial groups first.
-    using Key = std::pair<size_t, std::vector<comm::CommunicatorPtr>>;
-    std::vector<std::pair<Key, std::vector<ParamSlot>>> sets;
-    for (auto& slot : slots) {
-      Key key{layout_index(slot.param), groups_of(slot)};
-      auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == key; });
-      if (it == sets.end()) it = sets.insert(sets.end(), {key, {}});
-      it->second.push_back(std::move(slot));
-    }
-    std::stable_partition(sets.begin(), sets.end(),
-                          [](const auto& e) { return e.first.first == 0 && e.first.second.empty(); });
-    std::vector<size_t> made;
-    for (auto& [key, members] : sets)
-      for (size_t b : add_plain_buckets(std::move(members), cap_bytes, key.first, key.second)) made.push_back(b);
-    return made;
-  };
-  if (materialize) {
-    // One bucket per unit (and dtype); units reduce in reverse order.
-    s.unit_names = units;
-    s.unit_buckets.resize(units.size());
-    if (!rest.empty() || units.empty()) {
-      s.has_root_unit = true;
-      s.unit_names.push_back("");
-      s.unit_buckets.emplace_back();
-      s.unit_buckets.back() = add_buckets(std::move(rest), 0);
-    }
-    for (size_t u = units.size(); u-- > 0;) s.unit_buckets[u] = add_buckets(std::move(unit_params[u]), 0);
-  } else {
-    std::vector<ParamSlot> all;
-    std::set<const void*> seen;  // one slot per parameter, as above
-    for (const auto& p : module_->named_parameters(true))
-      if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second)
-        all.push_back(make_slot(p.key(), p.value()));
-    add_buckets(std::move(all), options_.bucket_bytes());
-    s.unit_names = units.empty() ? std::vector<std::string>{""} : units;
-    s.unit_buckets.resize(s.unit_names.size());
-  }
+  s.unit_names = std::move(plan.unit_names);
+  s.unit_buckets = std::move(plan.unit_buckets);
+  s.has_root_unit = plan.has_root_unit;
 
   const size_t n = s.buckets.size();
   // With named units, the root unit stays gathered (Note [Units and gathering]).

@@ -128,122 +128,123 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
       module_(std::move(module)),
       optimizer_(std::move(optimizer)),
       options_(options) {
-  TORCH_CHECK(module_ && optimizer_, "ShardedOptimizer: the module and the optimizer must not be null");
+  check_options();
   for (const auto& g : optimizer_->param_groups()) synced_lr_.push_back(g.options().get_lr());
+  const bool to_disk = options_.offload() == Offload::kDisk;
+  // Under disk offload a piece is at most a tile, so that a tile's buffer is
+  // bounded by tile_bytes whatever the parameter sizes (per-element
+  // optimizers do not see where a parameter is cut).
+  const int64_t tile_elems = std::max<int64_t>(
+      1, options_.disk().tile_bytes() / static_cast<int64_t>(c10::elementSize(options_.master_dtype())));
+  const std::vector<Range> ranges = chunk_ranges(to_disk ? tile_elems : 0);
+  at::NoGradGuard no_grad;
+  make_pieces(ranges, to_disk ? place_tiles(ranges, tile_elems) : place_masters(ranges));
+  make_norms();
+  skip_step();  // the pieces' gradient views exist; the master gradients' memory waits for a step
+  if (to_disk) open_disk();
+}
+
+void ShardedOptimizer::check_options() const {
+  TORCH_CHECK(module_ && optimizer_, "ShardedOptimizer: the module and the optimizer must not be null");
   TORCH_CHECK(optimizer_->state().empty(),
               "ShardedOptimizer: the optimizer has already stepped; wrap it before "
               "the first step so that its state is created for the local shard only");
   TORCH_CHECK(options_.offload_threads() >= 1, "ShardedOptimizer: offload_threads must be >= 1, got ",
               options_.offload_threads());
   const DiskOffloadOptions& disk = options_.disk();
-  const bool to_disk = !disk.dir().empty();
-  TORCH_CHECK(!(to_disk && options_.offload()),
-              "ShardedOptimizer: offload (CPU memory) and disk.dir (disk) are both set; choose one");
+  const bool to_disk = options_.offload() == Offload::kDisk;
+  TORCH_CHECK(options_.offload() != Offload::kHost || disk.dir().empty(),
+              "ShardedOptimizer: offload host (CPU memory) and disk.dir (disk) are both set; choose one: "
+              "offload(Offload::kDisk) with disk.dir, or offload(Offload::kHost) without it");
+  TORCH_CHECK(to_disk == !disk.dir().empty(),
+              to_disk ? "ShardedOptimizer: offload disk needs disk().dir(), a directory on a local disk"
+                      : "ShardedOptimizer: disk.dir is set but offload is none; set offload(Offload::kDisk)");
   TORCH_CHECK(on_cpu_step() || !module_->options().offload_params(),
               "ShardedOptimizer: the module keeps its parameter shards in CPU memory (offload_params), so the "
-              "optimizer must step there too; set ShardedOptimizerOptions().offload(true)");
-  if (to_disk) {
-    TORCH_CHECK(dynamic_cast<NormAware*>(optimizer_.get()) == nullptr,
-                "ShardedOptimizer: disk offload steps the optimizer one tile of pieces at a time, and LAMB and LARS "
-                "need the norms of all pieces at once; use offload(true) (CPU memory) for them");
-    TORCH_CHECK(disk.tile_bytes() > 0, "ShardedOptimizer: disk.tile_bytes must be > 0, got ", disk.tile_bytes());
-    TORCH_CHECK(disk.buffers() >= 1, "ShardedOptimizer: disk.buffers must be >= 1, got ", disk.buffers());
-    TORCH_CHECK(disk.io_threads() >= 1, "ShardedOptimizer: disk.io_threads must be >= 1, got ", disk.io_threads());
-  }
-  // Each bucket's optimizer degree, over the group its layout spans.
-  auto optim_degree = [&](size_t b) { return module_->bucket(b).layout().degrees().optim; };
+              "optimizer must step there too; set ShardedOptimizerOptions().offload(Offload::kHost)");
+  if (!to_disk) return;
+  TORCH_CHECK(dynamic_cast<NormAware*>(optimizer_.get()) == nullptr,
+              "ShardedOptimizer: disk offload steps the optimizer one tile of pieces at a time, and LAMB and LARS "
+              "need the norms of all pieces at once; use offload(Offload::kHost) (CPU memory) for them");
+  TORCH_CHECK(disk.tile_bytes() > 0, "ShardedOptimizer: disk.tile_bytes must be > 0, got ", disk.tile_bytes());
+  TORCH_CHECK(disk.buffers() >= 1, "ShardedOptimizer: disk.buffers must be >= 1, got ", disk.buffers());
+  TORCH_CHECK(disk.io_threads() >= 1, "ShardedOptimizer: disk.io_threads must be >= 1, got ", disk.io_threads());
+}
 
-  const int64_t tile_elems =
-      std::max<int64_t>(1, disk.tile_bytes() / static_cast<int64_t>(c10::elementSize(options_.master_dtype())));
-  // The part of each parameter that falls in this rank's optimizer chunk,
-  // in the order of the inner optimizer's groups.
-  struct Range {
-    size_t group, bucket;
-    const ParamSlot* slot;
-    int64_t begin, end;  // in the chunk
-  };
+int ShardedOptimizer::optim_degree(size_t bucket) const { return module_->bucket(bucket).layout().degrees().optim; }
+
+std::vector<ShardedOptimizer::Range> ShardedOptimizer::chunk_ranges(int64_t max_piece) const {
+  std::map<const void*, std::pair<size_t, size_t>> where;  // TensorImpl -> (bucket, slot)
+  for (size_t b = 0; b < module_->num_buckets(); ++b) {
+    const auto& slots = module_->bucket(b).slots();
+    for (size_t i = 0; i < slots.size(); ++i) where[slots[i].param.unsafeGetTensorImpl()] = {b, i};
+  }
   std::vector<Range> ranges;
-  {
-    std::map<const void*, std::pair<size_t, size_t>> where;  // TensorImpl -> (bucket, slot)
-    for (size_t b = 0; b < module_->num_buckets(); ++b) {
-      const auto& slots = module_->bucket(b).slots();
-      for (size_t i = 0; i < slots.size(); ++i) where[slots[i].param.unsafeGetTensorImpl()] = {b, i};
+  size_t g = 0;
+  for (auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = where.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK(it != where.end(), "ShardedOptimizer: a parameter of shape ", p.sizes(),
+                  " is not a trainable parameter of the sharded module; build the optimizer from "
+                  "module->parameters() after wrapping");
+      const size_t b = it->second.first;
+      const FlatBucket& bucket = module_->bucket(b);
+      const ParamSlot& slot = bucket.slots()[it->second.second];
+      const int d = optim_degree(b);
+      const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
+      const int64_t begin = std::max(slot.offset, chunk_begin);
+      const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + bucket.numel() / d);
+      const int64_t most = max_piece > 0 ? max_piece : end - begin;
+      for (int64_t at = begin; at < end; at += most)
+        ranges.push_back(Range{g, b, &slot, at - chunk_begin, std::min(end, at + most) - chunk_begin});
     }
-    size_t g = 0;
-    for (auto& group : optimizer_->param_groups()) {
-      for (const auto& p : group.params()) {
-        auto it = where.find(p.unsafeGetTensorImpl());
-        TORCH_CHECK(it != where.end(), "ShardedOptimizer: a parameter of shape ", p.sizes(),
-                    " is not a trainable parameter of the sharded module; build the optimizer from "
-                    "module->parameters() after wrapping");
-        const size_t b = it->second.first;
-        const FlatBucket& bucket = module_->bucket(b);
-        const ParamSlot& slot = bucket.slots()[it->second.second];
-        const int d = optim_degree(b);
-        const int64_t chunk_begin = bucket.layout().chunk_offset(bucket.numel(), d);
-        const int64_t begin = std::max(slot.offset, chunk_begin);
-        const int64_t end = std::min(slot.offset + slot.numel, chunk_begin + bucket.numel() / d);
-        // Under disk offload a piece is at most a tile, so that a tile's buffer is bounded by tile_bytes
-        // whatever the parameter sizes (per-element optimizers do not see where a parameter is cut).
-        const int64_t most = to_disk ? tile_elems : end - begin;
-        for (int64_t at = begin; at < end; at += most)
-          ranges.push_back(Range{g, b, &slot, at - chunk_begin, std::min(end, at + most) - chunk_begin});
-      }
-      ++g;
-    }
+    ++g;
   }
+  return ranges;
+}
 
+// Note [Master copies]
+int64_t ShardedOptimizer::add_master(size_t b, int64_t offset, int64_t numel) {
+  FlatBucket& bucket = module_->bucket(b);
+  at::Tensor chunk = bucket.param_chunk(optim_degree(b));
+  auto where_to = chunk.options().dtype(options_.master_dtype());
+  if (host_offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
+  if (options_.offload() == Offload::kDisk) where_to = where_to.device(at::kCPU);
+  Master o;
+  o.bucket = b;
+  o.offset = offset;
+  if (host_offload() && bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda() &&
+      chunk.scalar_type() == options_.master_dtype()) {
+    o.master = chunk;  // the parameter shard already lives on the CPU
+  } else {
+    o.master = at::empty({numel}, where_to);
+    o.master.copy_(chunk.narrow(0, offset, numel));
+  }
+  o.master_grad = at::zeros({numel}, where_to);
+  masters_.push_back(std::move(o));
+  return static_cast<int64_t>(masters_.size()) - 1;
+}
+
+// Note [Optimizer storage]
+// Where the optimizer's chunk lives follows options().offload(): none steps
+// views of the bucket's chunk in place, with a master per bucket only where
+// master_dtype differs from the parameters'; host keeps a master per bucket
+// in host memory; disk keeps a master per tile where one is needed, and the
+// tiles in a file (place_tiles, open_disk: src/parallel/disk_offload.cpp).
+std::vector<int64_t> ShardedOptimizer::place_masters(const std::vector<Range>& ranges) {
   bool other_dtype = false;
   for (size_t b = 0; b < module_->num_buckets(); ++b)
     other_dtype |= module_->bucket(b).param_chunk(optim_degree(b)).scalar_type() != options_.master_dtype();
-  at::NoGradGuard no_grad;
-  auto add_master = [&](size_t b, int64_t offset, int64_t numel) {  // Note [Master copies]
-    FlatBucket& bucket = module_->bucket(b);
-    at::Tensor chunk = bucket.param_chunk(optim_degree(b));
-    auto where_to = chunk.options().dtype(options_.master_dtype());
-    if (options_.offload()) where_to = where_to.device(at::kCPU).pinned_memory(bucket.device().is_cuda());
-    if (to_disk) where_to = where_to.device(at::kCPU);
-    Master o;
-    o.bucket = b;
-    o.offset = offset;
-    if (options_.offload() && bucket.materialized() && chunk.device().is_cpu() && bucket.device().is_cuda() &&
-        chunk.scalar_type() == options_.master_dtype()) {
-      o.master = chunk;  // the parameter shard already lives on the CPU
-    } else {
-      o.master = at::empty({numel}, where_to);
-      o.master.copy_(chunk.narrow(0, offset, numel));
-    }
-    o.master_grad = at::zeros({numel}, where_to);
-    masters_.push_back(std::move(o));
-    return static_cast<int64_t>(masters_.size()) - 1;
-  };
   std::vector<int64_t> master_of(ranges.size(), -1);
-  if (to_disk) {  // Note [Disk offload]: tiles of pieces, a master per tile where one is needed
-    for (size_t b = 0; b < module_->num_buckets(); ++b) {
-      std::vector<size_t> order;
-      for (size_t i = 0; i < ranges.size(); ++i)
-        if (ranges[i].bucket == b) order.push_back(i);
-      std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return ranges[x].begin < ranges[y].begin; });
-      for (size_t i : order) {
-        if (tiles_.empty() || tiles_.back().bucket != b || ranges[i].end - tiles_.back().begin > tile_elems)
-          tiles_.push_back(Tile{b, ranges[i].begin, ranges[i].end, -1, {}});
-        tiles_.back().end = ranges[i].end;
-        tiles_.back().pieces.push_back(i);
-      }
-    }
-    for (auto& tile : tiles_) {
-      const at::Tensor chunk = module_->bucket(tile.bucket).param_chunk(optim_degree(tile.bucket));
-      if (chunk.scalar_type() == options_.master_dtype() && chunk.device().is_cpu()) continue;
-      tile.master = add_master(tile.bucket, tile.begin, tile.end - tile.begin);
-      for (size_t i : tile.pieces) master_of[i] = tile.master;
-    }
-  } else if (options_.offload() || other_dtype) {
-    std::vector<int64_t> of_bucket;
-    for (size_t b = 0; b < module_->num_buckets(); ++b)
-      of_bucket.push_back(add_master(b, 0, module_->bucket(b).param_chunk(optim_degree(b)).numel()));
-    for (size_t i = 0; i < ranges.size(); ++i) master_of[i] = of_bucket[ranges[i].bucket];
-  }
+  if (!host_offload() && !other_dtype) return master_of;
+  std::vector<int64_t> of_bucket;
+  for (size_t b = 0; b < module_->num_buckets(); ++b)
+    of_bucket.push_back(add_master(b, 0, module_->bucket(b).param_chunk(optim_degree(b)).numel()));
+  for (size_t i = 0; i < ranges.size(); ++i) master_of[i] = of_bucket[ranges[i].bucket];
+  return master_of;
+}
 
+void ShardedOptimizer::make_pieces(const std::vector<Range>& ranges, const std::vector<int64_t>& master_of) {
   std::vector<std::vector<at::Tensor>> group_pieces(optimizer_->param_groups().size());
   for (size_t i = 0; i < ranges.size(); ++i) {
     const Range& r = ranges[i];
@@ -263,9 +264,11 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
     pieces_.push_back(Piece{r.bucket, piece, r.slot->param, r.begin + chunk_begin - r.slot->offset, r.group});
   }
   for (size_t g = 0; g < group_pieces.size(); ++g) optimizer_->param_groups()[g].params() = std::move(group_pieces[g]);
+}
 
-  // Rows of the whole-norm table: the module's parameters in bucket order,
-  // the same on every data rank (Note [Whole-parameter norms]).
+// Rows of the whole-norm table: the module's parameters in bucket order, the
+// same on every data rank (Note [Whole-parameter norms]).
+void ShardedOptimizer::make_norms() {
   std::vector<at::Tensor> module_params;
   std::map<const c10::TensorImpl*, int64_t> param_row, piece_row;
   std::vector<comm::CommunicatorPtr> norm_groups;
@@ -285,48 +288,12 @@ ShardedOptimizer::ShardedOptimizer(ShardedModulePtr module, std::shared_ptr<torc
   if (norm_groups.empty()) norm_groups.push_back(module_->group());
   for (const auto& piece : pieces_)
     piece_row[piece.param.unsafeGetTensorImpl()] = param_row.at(piece.owner.unsafeGetTensorImpl());
-
-  skip_step();  // the pieces' gradient views exist; the master gradients' memory waits for a step
   norms_ = std::make_shared<PieceNorms>(std::move(piece_row), std::move(module_params), std::move(norm_groups),
-                                        row_group, row_replicas,
-                                        options_.whole_norms());
+                                        row_group, row_replicas, options_.whole_norms());
   if (auto* aware = dynamic_cast<NormAware*>(optimizer_.get())) aware->set_whole_norms(norms_);
-
-  if (to_disk) {
-    bool pinned = false;
-    for (size_t b = 0; b < module_->num_buckets(); ++b) pinned |= module_->bucket(b).device().is_cuda();
-    AsyncFileOptions io;
-    io.threads = disk.io_threads();
-    io.direct = disk.direct_io();
-    on_every_rank([&] {
-      auto file = AsyncFile::create_temporary(disk.dir(), "optim-rank" + std::to_string(module_->group()->rank()), io);
-      swapper_ = std::make_unique<detail::TileSwapper>(std::move(file), tiles_.size(), disk.buffers(), pinned,
-                                                       [this](size_t t) { return tile_tensors(t); });
-      swapper_->park();  // the master copies go to the file now; states follow at the first step
-    });
-  }
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
-
-void ShardedOptimizer::on_every_rank(const std::function<void()>& fn) {
-  comm::on_every_rank(module_->group(), "ShardedOptimizer: disk offload", fn);
-}
-
-std::vector<at::Tensor> ShardedOptimizer::tile_tensors(size_t tile) {
-  const Tile& t = tiles_[tile];
-  std::vector<at::Tensor> out;
-  if (t.master >= 0) out.push_back(masters_[static_cast<size_t>(t.master)].master);
-  for (size_t i : t.pieces) {
-    const torch::optim::OptimizerParamState* state = find_state(*optimizer_, pieces_[i].param);
-    if (state == nullptr) continue;  // before its first step
-    bool known = false;
-    for (auto& s : libtorch_state_tensors(*state, known)) out.push_back(s);
-    TORCH_CHECK(known, "ShardedOptimizer: disk offload knows the states of Adam, AdamW, SGD, RMSprop and Adagrad; "
-                       "this optimizer's are of another type; use offload(true) (CPU memory)");
-  }
-  return out;
-}
 
 void ShardedOptimizer::step_pieces(const std::vector<size_t>& pieces) {
   auto& groups = optimizer_->param_groups();
@@ -345,16 +312,6 @@ void ShardedOptimizer::step_pieces(const std::vector<size_t>& pieces) {
   for (size_t g = 0; g < groups.size(); ++g) groups[g].params() = std::move(all[g]);
 }
 
-void ShardedOptimizer::fetch_offloaded() {
-  if (swapper_) on_every_rank([&] { swapper_->fetch(); });
-}
-
-void ShardedOptimizer::park_offloaded() {
-  if (swapper_) on_every_rank([&] { swapper_->park(); });
-}
-
-int64_t ShardedOptimizer::disk_bytes() const { return swapper_ ? swapper_->file_bytes() : 0; }
-
 void ShardedOptimizer::load_master_grads() {
   module_->finish_gradient_sync();
   if (masters_.empty() || master_grads_ready_) return;
@@ -364,9 +321,9 @@ void ShardedOptimizer::load_master_grads() {
     at::Tensor& g = m.master_grad;
     detail::restore_storage(g, g.numel() * static_cast<int64_t>(g.element_size()));
     g.copy_(bucket.grad_chunk(bucket.layout().degrees().optim).narrow(0, m.offset, g.numel()),
-            /*non_blocking=*/options_.offload() && bucket.device().is_cuda());
+            /*non_blocking=*/host_offload() && bucket.device().is_cuda());
   }
-  if (options_.offload())
+  if (host_offload())
     for (const auto& m : masters_) sync_device(module_->bucket(m.bucket).device());
   master_grads_ready_ = true;
 }
@@ -380,7 +337,7 @@ std::vector<at::Tensor> ShardedOptimizer::pieces_for_step() {
 
 void ShardedOptimizer::skip_step() {
   module_->finish_gradient_sync();
-  if (!options_.offload())
+  if (!host_offload())
     for (auto& m : masters_) detail::release_storage(m.master_grad);
   master_grads_ready_ = false;
 }
@@ -464,7 +421,7 @@ void ShardedOptimizer::copy_master_to_params(const Master& m) {
   at::Tensor chunk = bucket.param_chunk(bucket.layout().degrees().optim);
   if (chunk.is_same(m.master)) return;
   // Asynchronous only from CPU memory that stays: a disk tile's buffer is reused at once.
-  chunk.narrow(0, m.offset, m.master.numel()).copy_(m.master, options_.offload() && bucket.device().is_cuda());
+  chunk.narrow(0, m.offset, m.master.numel()).copy_(m.master, host_offload() && bucket.device().is_cuda());
 }
 
 void ShardedOptimizer::copy_masters_to_params() {

@@ -1,5 +1,6 @@
 #include "tessera/planner/estimate.h"
 
+#include "tessera/context/layout.h"
 #include "tessera/parallel/pipeline_simulator.h"
 
 #include "grid_math.h"
@@ -47,6 +48,7 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
               " does not split over data size ", c.data());
   TORCH_CHECK(plan.replica_batch() % plan.micro_batches == 0, "plan: ", plan.replica_batch(),
               " sequences per replica do not split into ", plan.micro_batches, " micro-batches");
+  TORCH_CHECK(plan.offload != parallel::Offload::kDisk, "plan: the planner does not model disk offload");
   if (model.opaque()) {
     TORCH_CHECK(c.pipeline() == 1 && c.tensor() == 1 && c.sequence() == 1,
                 "plan: a module seen only by its parameter count gets data parallelism only (dp × sharding)");
@@ -54,19 +56,14 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   }
   TORCH_CHECK(c.pipeline() * plan.chunks <= model.layers() + 2, "plan: ", c.pipeline() * plan.chunks,
               " pipeline stages for ", model.layers() + 2, " layers (embed, blocks, head)");
-  // Batch blocks of the tensor mode: 2d q, 2.5d q·depth, 3d q².
-  const int q = detail::grid_q(c);
-  const int64_t split = c.tensor_mode() == TensorMode::k1D ? 1 : c.tensor() / q;
-  TORCH_CHECK(plan.micro_batch_rows() % split == 0, "plan: ", plan.micro_batch_rows(),
-              " sequences per micro-batch do not split over the ", split, " batch blocks of tensor mode ",
-              context::tensor_mode_name(c.tensor_mode()));
-  TORCH_CHECK(model.seq() % c.sequence() == 0, "plan: sequence ", model.seq(), " does not split over ", c.sequence(),
-              " sequence ranks");
-  TORCH_CHECK(model.heads() % q == 0, "plan: ", model.heads(), " heads do not split over the ", q,
-              " hidden blocks of tensor size ", c.tensor(), " (", context::tensor_mode_name(c.tensor_mode()), ")");
-  if (c.expert() > 1)
-    TORCH_CHECK(model.experts() % c.expert() == 0, "plan: ", model.experts(), " experts do not split over expert size ",
-                c.expert());
+  // What the layers need of the shapes in this layout: the context's rules.
+  context::check_shape(context::Layout(c), context::ModelShape()
+                                               .hidden(model.hidden())
+                                               .heads(model.heads())
+                                               .ffn(model.ffn_width())
+                                               .seq(model.seq())
+                                               .experts(model.experts())
+                                               .rows(plan.micro_batch_rows()));
 }
 
 Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& cluster, double memory_limit) {
@@ -169,9 +166,9 @@ Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& c
   // shard goes there and the parameter shard comes back.
   const MemoryEstimate& mem = est.memory;
   const double e = plan.bf16 ? 2.0 : 4.0, opt = plan.bf16 ? 12.0 : 8.0;
-  const double shard = (plan.offload ? mem.host : mem.optim) / opt;  // elements this rank steps
+  const double shard = (plan.offload == parallel::Offload::kHost ? mem.host : mem.optim) / opt;  // elements this rank steps
   const double touched = 2 * opt * shard + 3 * e * shard;            // states read and written, gradient, parameter
-  if (plan.offload) {
+  if (plan.offload == parallel::Offload::kHost) {
     const double host_rate = cluster.host_flops > 0 ? cluster.host_flops : cluster.memory_bandwidth / 8;
     est.optimizer_s = 2 * e * shard / cluster.host_bandwidth + touched / host_rate;
   } else {

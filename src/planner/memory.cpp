@@ -53,7 +53,7 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
     const double padded = numel + d.optim;  // each bucket padded to a multiple of the largest degree
     m.params += e * padded / d.params;
     m.grads += e * padded / d.grads;
-    (plan.offload ? m.host : m.optim) += opt * padded / d.optim;
+    (plan.offload == parallel::Offload::kHost ? m.host : m.optim) += opt * padded / d.optim;
   };
   states(lp.dense, c.data() * (c.sequence() > 1 ? c.sequence() : 1));
   states(lp.expert, c.data() / c.expert());

@@ -73,25 +73,25 @@ double ModelDesc::flops_per_sequence() const {
 }
 
 ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
-  TORCH_CHECK(seq >= 0 && seq <= config.context, "planner: sequence length ", seq, " is outside [0, the GPT's context ",
-              config.context, "]; 0 means the context");
+  TORCH_CHECK(seq >= 0 && seq <= config.context(), "planner: sequence length ", seq, " is outside [0, the GPT's context ",
+              config.context(), "]; 0 means the context");
   return ModelDesc()
       .name("gpt")
-      .layers(config.layers)
-      .hidden(config.hidden)
-      .heads(config.heads)
-      .vocab(config.vocab)
-      .positions(config.context)
-      .seq(seq == 0 ? config.context : seq)
-      .tied(config.tied)
-      .experts(config.experts)
-      .moe_every(config.moe_every)
-      .top_k(config.top_k)
+      .layers(config.layers())
+      .hidden(config.hidden())
+      .heads(config.heads())
+      .vocab(config.vocab())
+      .positions(config.context())
+      .seq(seq == 0 ? config.context() : seq)
+      .tied(config.tied())
+      .experts(config.experts())
+      .moe_every(config.moe_every())
+      .top_k(config.top_k())
       // Note [Fused attention] in src/nn/attention.cpp: LibTorch 2 runs
       // tessera's attention fused when it drops nothing (except bf16 on
       // CPU, which the planner does not tell apart: it counts the scores
       // as not kept there too).
-      .fused_attention(TESSERA_TORCH_VERSION_AT_LEAST(2, 0) && config.dropout == 0);
+      .fused_attention(TESSERA_TORCH_VERSION_AT_LEAST(2, 0) && config.dropout() == 0);
 }
 
 ModelDesc ModelDesc::preset(const std::string& name, int64_t seq) {
@@ -115,7 +115,7 @@ ModelDesc ModelDesc::preset(const std::string& name, int64_t seq) {
   if (name == "llama-65b") return llama(80, 8192, 64, 22016);
   if (name.rfind("gpt-", 0) == 0) {
     models::GPTConfig c = models::GPTConfig::preset(name.substr(4));
-    c.context = std::max(c.context, seq);
+    c.context(std::max(c.context(), seq));
     return gpt(c, seq).name(name);
   }
   TORCH_CHECK(false, "planner: unknown model preset '", name,

@@ -27,7 +27,7 @@ std::string Plan::to_string() const {
     if (chunks > 1) s += fmt::format("x{}", chunks);
   }
   if (checkpoint_activations) s += " ckpt";
-  if (offload) s += " offload";
+  if (offload != parallel::Offload::kNone) s += " offload";
   s += bf16 ? " bf16" : " fp32";
   return s;
 }
@@ -47,7 +47,7 @@ std::string Plan::to_json() const {
                    {"schedule", parallel::to_string(schedule)},
                    {"chunks", chunks},
                    {"checkpoint_activations", checkpoint_activations},
-                   {"offload", offload},
+                   {"offload", offload != parallel::Offload::kNone},
                    {"bf16", bf16}};
   return j.dump();
 }

@@ -36,13 +36,13 @@ std::string search_report(const ModelDesc& model, const ClusterDesc& cluster, co
                           const SearchResult& result, bool json) {
   std::string s;
   if (!json) {
-    const double limit = options.memory_limit > 0 ? options.memory_limit : cluster.memory_bytes;
+    const double limit = options.memory_limit() > 0 ? options.memory_limit() : cluster.memory_bytes;
     s += fmt::format("model:   {}\ncluster: {} ({} nodes x {} ranks, {:.4g} GB limit, {:.4g} of {:.4g} TFLOPS per "
                      "rank)\n",
                      model.to_string(), cluster.name, cluster.nodes, cluster.gpus_per_node, limit / 1e9,
                      cluster.compute_rate() / 1e12, cluster.peak_flops / 1e12);
-    s += fmt::format("batch:   {} sequences ({} tokens) per step, {}\n", options.global_batch,
-                     options.global_batch * model.seq(), options.bf16 ? "bf16 with fp32 masters" : "fp32");
+    s += fmt::format("batch:   {} sequences ({} tokens) per step, {}\n", options.global_batch(),
+                     options.global_batch() * model.seq(), options.bf16() ? "bf16 with fp32 masters" : "fp32");
     s += fmt::format("searched {} plans: {} over the memory limit, {} not runnable\n\n", result.considered,
                      result.over_memory, result.invalid);
   }

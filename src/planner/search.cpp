@@ -59,22 +59,22 @@ std::vector<parallel::ShardingSpec> amsp_specs(int dp, int data_per_node) {
 }
 
 SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const SearchOptions& options) {
-  TORCH_CHECK(options.global_batch > 0, "search: global batch must be positive, got ", options.global_batch);
-  TORCH_CHECK(options.top > 0, "search: top must be positive, got ", options.top);
+  TORCH_CHECK(options.global_batch() > 0, "search: global batch must be positive, got ", options.global_batch());
+  TORCH_CHECK(options.top() > 0, "search: top must be positive, got ", options.top());
   const int world = cluster.world();
-  const double limit = options.memory_limit > 0 ? options.memory_limit : cluster.memory_bytes;
-  const auto tensor_modes = options.tensor_modes.empty() ? std::vector<TensorMode>{TensorMode::k1D} : options.tensor_modes;
-  const auto sequence_modes = options.sequence_modes.empty()
+  const double limit = options.memory_limit() > 0 ? options.memory_limit() : cluster.memory_bytes;
+  const auto tensor_modes = options.tensor_modes().empty() ? std::vector<TensorMode>{TensorMode::k1D} : options.tensor_modes();
+  const auto sequence_modes = options.sequence_modes().empty()
                                   ? std::vector<context::SequenceMode>{context::SequenceMode::kUlysses}
-                                  : options.sequence_modes;
-  const auto schedules = options.schedules.empty()
+                                  : options.sequence_modes();
+  const auto schedules = options.schedules().empty()
                              ? std::vector<parallel::ScheduleKind>{parallel::ScheduleKind::k1F1B,
                                                                    parallel::ScheduleKind::kInterleaved1F1B,
                                                                    parallel::ScheduleKind::kZeroBubbleH1}
-                             : options.schedules;
-  const int max_tp = model.opaque() ? 1 : (options.max_tensor > 0 ? options.max_tensor : cluster.gpus_per_node);
-  const int max_sp = model.opaque() ? 1 : std::max(1, options.max_sequence);
-  const int max_pp = model.opaque() ? 1 : (options.max_pipeline > 0 ? options.max_pipeline : world);
+                             : options.schedules();
+  const int max_tp = model.opaque() ? 1 : (options.max_tensor() > 0 ? options.max_tensor() : cluster.gpus_per_node);
+  const int max_sp = model.opaque() ? 1 : std::max(1, options.max_sequence());
+  const int max_pp = model.opaque() ? 1 : (options.max_pipeline() > 0 ? options.max_pipeline() : world);
 
   // Grids: (tensor config, sequence config) pairs.
   std::vector<context::ParallelConfig> grids;
@@ -92,7 +92,7 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
           const int dp = world / (t.tensor() * sp * pp);
           for (int ep : divisors(dp)) {
             if (ep > 1 && (model.experts() == 0 || model.experts() % ep != 0)) continue;
-            if (options.expert > 0 && ep != options.expert && model.experts() > 0) continue;
+            if (options.expert() > 0 && ep != options.expert() && model.experts() > 0) continue;
             grids.push_back(context::ParallelConfig(t).sequence(sp).sequence_mode(smode).pipeline(pp).data(dp).expert(ep));
           }
         }
@@ -107,31 +107,31 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
   };
   for (const auto& g : grids) {
     const int dp = g.data();
-    if (options.global_batch % dp != 0) continue;
-    const int64_t replica = options.global_batch / dp;
+    if (options.global_batch() % dp != 0) continue;
+    const int64_t replica = options.global_batch() / dp;
     const int data_per_node = std::max(1, std::min(dp, cluster.gpus_per_node / (g.tensor() * g.sequence())));
-    const auto specs = options.specs.empty() ? amsp_specs(dp * g.sequence(), data_per_node * g.sequence())
-                                             : options.specs;
+    const auto specs = options.specs().empty() ? amsp_specs(dp * g.sequence(), data_per_node * g.sequence())
+                                             : options.specs();
     std::vector<int64_t> mbs;
-    for (int64_t m = g.pipeline() > 1 ? g.pipeline() : 1; m <= std::min(replica, options.max_micro_batches); m *= 2)
+    for (int64_t m = g.pipeline() > 1 ? g.pipeline() : 1; m <= std::min(replica, options.max_micro_batches()); m *= 2)
       if (replica % m == 0) mbs.push_back(m);
     for (const auto& spec : specs)
       for (int64_t m : mbs)
         for (auto kind : (g.pipeline() > 1 ? schedules : std::vector<parallel::ScheduleKind>{parallel::ScheduleKind::k1F1B}))
           for (bool ckpt : {false, true}) {
-            if (ckpt && !options.checkpointing) continue;
+            if (ckpt && !options.checkpointing()) continue;
             for (bool offload : {false, true}) {
-              if (offload && !options.offload) continue;
+              if (offload && !options.offload()) continue;
               Plan plan;
               plan.grid = g;
               plan.spec = spec;
-              plan.global_batch = options.global_batch;
+              plan.global_batch = options.global_batch();
               plan.micro_batches = m;
               plan.schedule = kind;
               plan.chunks = kind == parallel::ScheduleKind::kInterleaved1F1B ? 2 : 1;
               plan.checkpoint_activations = ckpt;
-              plan.offload = offload;
-              plan.bf16 = options.bf16;
+              plan.offload = offload ? parallel::Offload::kHost : parallel::Offload::kNone;
+              plan.bf16 = options.bf16();
               ++result.considered;
               try {
                 check_plan(model, plan);
@@ -145,7 +145,7 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
                   keep(result.over, estimate(model, plan, cluster, limit), 3);
                 continue;
               }
-              keep(result.best, estimate(model, plan, cluster, limit), static_cast<size_t>(options.top));
+              keep(result.best, estimate(model, plan, cluster, limit), static_cast<size_t>(options.top()));
             }
           }
   }

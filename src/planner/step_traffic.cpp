@@ -21,7 +21,6 @@ namespace {
 using comm::OpType;
 using context::ParallelMode;
 using context::TensorMode;
-using detail::grid_q;
 using detail::pad_to;
 const auto& mname = detail::mode_group;
 
@@ -94,11 +93,11 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
   const double attn_col_b = model.bias() ? 3 * h : 0, attn_row_b = model.bias() ? h : 0;
   const double mlp_col_b = model.bias() ? (m - 1) * f : 0, mlp_row_b = model.bias() ? h : 0;
   const bool one_d = c.tensor_mode() == TensorMode::k1D;
-  const int q = grid_q(c), depth = c.tensor_mode() == TensorMode::k2p5D ? c.tensor_depth() : 1;
+  const int q = detail::rank_grid(c).q(), depth = c.tensor_mode() == TensorMode::k2p5D ? c.tensor_depth() : 1;
   // Matrices split over the tensor group (2.5D: replicated over depth);
   // vectors over the hidden blocks (q), whole in 1D except column biases.
-  const double mat_div = detail::matrix_split(c), vec_div = one_d ? 1 : q;
-  const int64_t vocab_unit = detail::vocab_unit(c);
+  const double mat_div = detail::rank_grid(c).hidden_blocks(), vec_div = one_d ? 1 : q;
+  const int64_t vocab_unit = detail::rank_grid(c).vocab_unit();
   double weights = 0, col_b = 0, replicated = 0;  // this rank's, unsplit by vec_div for vectors
   for (const StageShape& st : stages_of(model, plan, pp_rank)) {
     for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
@@ -207,8 +206,8 @@ void pipeline_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Tra
     const int first = 0, last = (stages - 1) % pp;
     if (holds && first != last) {
       out.add("pipeline", ParallelMode::kPipeline, "pipeline.tied", 2, OpType::kAllReduce, 1,
-              static_cast<double>(pad_to(model.vocab(), detail::vocab_unit(c)) * model.hidden()) /
-                  detail::matrix_split(c),
+              static_cast<double>(pad_to(model.vocab(), detail::rank_grid(c).vocab_unit()) * model.hidden()) /
+                  detail::rank_grid(c).hidden_blocks(),
               e);
     }
   }

@@ -18,7 +18,6 @@ namespace {
 using comm::OpType;
 using context::ParallelMode;
 using context::TensorMode;
-using detail::grid_q;
 using detail::pad_to;
 const auto& mname = detail::mode_group;
 
@@ -128,7 +127,7 @@ void tensor_traffic_1d(const TrafficInput& in, Traffic& out) {
 // statistics over rows; the embedding's batch reshuffle along columns.
 void grid_traffic(const TrafficInput& in, Traffic& out, bool deep) {
   const auto& c = in.plan.grid;
-  const int q = grid_q(c), d = deep ? c.tensor_depth() : 1;
+  const int q = detail::rank_grid(c).q(), d = deep ? c.tensor_depth() : 1;
   const double h = static_cast<double>(in.model.hidden());
   const double T = in.rows / (q * d) * in.model.seq() / c.sequence(), H = h / q;
   const double Vq = static_cast<double>(pad_to(in.model.vocab(), q) / q);
@@ -162,7 +161,7 @@ void tensor_traffic_2p5d(const TrafficInput& in, Traffic& out) { grid_traffic(in
 // 3d_weight, each reversed in backward; LayerNorm statistics on 3d_output.
 void tensor_traffic_3d(const TrafficInput& in, Traffic& out) {
   const auto& c = in.plan.grid;
-  const int q = grid_q(c);
+  const int q = detail::rank_grid(c).q();
   const double h = static_cast<double>(in.model.hidden());
   const double T = in.rows / (q * q) * in.model.seq() / c.sequence();
   const double Vp = static_cast<double>(pad_to(in.model.vocab(), q));
@@ -245,7 +244,7 @@ void expert_traffic(const TrafficInput& in, Traffic& out) {
   for (int64_t b = in.stage.first_block; b < in.stage.first_block + in.stage.blocks; ++b)
     moe += in.model.moe_block(b) ? 1 : 0;
   if (moe == 0) return;
-  const ParallelMode tokens_mode = c.sequence() > 1 ? ParallelMode::kDataSequence : ParallelMode::kData;
+  const ParallelMode tokens_mode = detail::rank_grid(c).token_mode();
   const int token_ranks = c.data() * c.sequence();
   if (token_ranks > 1)
     out.add("expert", tokens_mode, mname(tokens_mode), token_ranks, OpType::kAllReduce, static_cast<double>(moe),

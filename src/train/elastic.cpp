@@ -165,13 +165,9 @@ Trainer& ElasticTrainer::trainer() {
 
 int ElasticTrainer::active_size() const { return layout_size(layout_); }
 
-std::pair<int64_t, int64_t> ElasticTrainer::rows_of(int64_t global_batch) const {
+context::ParallelContext::Rows ElasticTrainer::rows_of(int64_t global_batch) const {
   TORCH_CHECK(trainer_ != nullptr, "ElasticTrainer::rows_of: world rank ", world_->rank(), " is idle");
-  const int d = layout_.data();
-  TORCH_CHECK(global_batch % d == 0, "ElasticTrainer: a global batch of ", global_batch,
-              " rows does not split over data size ", d, "; use a batch that data_size_for() chose");
-  const int64_t per = global_batch / d;
-  return {trainer_->context()->rank(ParallelMode::kData) * per, per};
+  return trainer_->context()->batch_rows(global_batch);
 }
 
 std::string ElasticTrainer::layout_name() const {
@@ -250,7 +246,7 @@ MigrationStats ElasticTrainer::reshape(const context::ParallelConfig& layout) {
   const double build_start = now_seconds();
   auto group = world_->split(world_->rank() < layout_size(next) ? 0 : -1, world_->rank(), "world");
   std::unique_ptr<Trainer> fresh;
-  std::vector<PieceRequest> requests;
+  std::vector<infer::PieceRequest> requests;
   const bool streams_move = next.tensor() == layout_.tensor() && next.pipeline() == layout_.pipeline() &&
                             next.sequence() == layout_.sequence();
   std::string stream_source;

@@ -16,6 +16,20 @@ LrDecay lr_decay_from_string(const std::string& name) {
   TORCH_CHECK(false, "unknown learning-rate decay '", name, "'; use constant, cosine, linear or polynomial");
 }
 
+std::string lr_decay_name(LrDecay decay) {
+  switch (decay) {
+    case LrDecay::kConstant:
+      return "constant";
+    case LrDecay::kCosine:
+      return "cosine";
+    case LrDecay::kLinear:
+      return "linear";
+    case LrDecay::kPolynomial:
+      return "polynomial";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown learning-rate decay");
+}
+
 void LrSchedule::validate() const {
   TORCH_CHECK(peak() >= 0 && std::isfinite(peak()), "learning rate: the peak must be >= 0 and finite, got ", peak());
   TORCH_CHECK(warmup_steps() >= 0, "learning rate: warmup_steps must be >= 0, got ", warmup_steps());

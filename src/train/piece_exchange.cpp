@@ -281,99 +281,91 @@ at::Tensor ExchangedPieces::full(const std::string& name) const {
   return flat(name, {}, {}, 0, -1).view(shape);
 }
 
-ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceDirectory& directory,
-                                const std::vector<TensorPiece>& held, const std::vector<PieceRequest>& wanted,
-                                const c10::Device& device, const std::string& what, PieceExchangeStats* stats) {
-  const auto start = std::chrono::steady_clock::now();
-  const int me = world->rank(), n = world->size();
-  TORCH_CHECK(directory.world_size() == n, "exchange_pieces: the directory was gathered over ",
-              directory.world_size(), " ranks, the communicator has ", n);
-  Json mine = Json::array();
-  for (const auto& r : wanted)
-    mine.push_back({{"n", r.name}, {"o", r.offset}, {"l", r.length}, {"b", r.flat_begin}, {"e", r.flat_end}});
-  const auto all = comm::all_gather_strings(*world, mine.dump());
+namespace {
 
-  // Every rank plans the transfers it takes part in, from the same lists.
-  std::vector<Transfer> sends, receives;
-  std::string refusal;
-  ExchangedPieces out(directory, what);
-  for (int dst = 0; dst < n; ++dst) {
-    const Json requests = Json::parse(all[static_cast<size_t>(dst)]);
-    for (size_t j = 0; j < requests.size(); ++j) {
-      const std::string name = requests[j].at("n").get<std::string>();
-      if (!directory.contains(name)) {
-        if (dst == me && refusal.empty()) refusal = "no rank holds '" + name + "'";
-        continue;
-      }
-      const auto& tensor = directory.at(name);
-      PieceBox request;
-      try {
-        request = box_of(tensor.shape, requests[j].at("o").get<std::vector<int64_t>>(),
-                         requests[j].at("l").get<std::vector<int64_t>>(), requests[j].at("b").get<int64_t>(),
-                         requests[j].at("e").get<int64_t>());
-      } catch (const c10::Error& e) {
-        if (dst == me && refusal.empty()) refusal = "a request for '" + name + "': " + e.what_without_backtrace();
-        continue;
-      }
-      // Distinct held pieces, each with its holders (rank order).
-      std::vector<std::vector<const PieceDirectory::Holder*>> distinct;
-      for (const auto& h : tensor.holders) {
-        auto same = std::find_if(distinct.begin(), distinct.end(), [&](const auto& g) { return g[0]->box == h.box; });
-        if (same == distinct.end()) {
-          distinct.push_back({&h});
-        } else {
-          same->push_back(&h);
-        }
-      }
-      int64_t covered = 0;
-      for (const auto& group : distinct) {
-        const PieceDirectory::Holder* from = group[(static_cast<size_t>(dst) * 131 + j) % group.size()];
-        for (const auto* h : group)
-          if (h->rank == dst) from = h;
-        if (dst != me && from->rank != me) continue;
-        Transfer t;
-        t.common = overlap(from->box, request);
-        if (t.common.count == 0) continue;
-        t.src = from->rank;
-        t.dst = dst;
-        t.held_index = from->index;
-        t.request_index = static_cast<int>(j);
-        t.held = &from->box;
-        t.request = request;
-        t.dtype = tensor.dtype;
-        covered += t.common.count;
-        if (t.src == me) sends.push_back(t);
-        if (t.dst == me && t.src != me) receives.push_back(t);
-      }
-      if (dst == me) {
-        if (covered != request.end - request.begin && refusal.empty())
-          refusal = "'" + name + "': " + std::to_string(covered) + " of the " +
-                    std::to_string(request.end - request.begin) +
-                    " elements asked for are held by the running ranks (pieces that overlap or leave holes)";
-        out.add(name, request, at::empty({request.end - request.begin}, at::TensorOptions(tensor.dtype).device(device)));
-      }
+// Who sends what to whom: the same plan on every rank, from the same lists.
+struct TransferPlan {
+  int me = 0;
+  std::vector<Transfer> sends, receives;  // this rank's
+  std::string refusal;                    // of this rank's own requests
+};
+
+// A tensor's held pieces, identical boxes grouped, each group in rank order.
+std::vector<std::vector<const PieceDirectory::Holder*>> distinct_pieces(const PieceDirectory::Tensor& tensor) {
+  std::vector<std::vector<const PieceDirectory::Holder*>> distinct;
+  for (const auto& h : tensor.holders) {
+    auto same = std::find_if(distinct.begin(), distinct.end(), [&](const auto& g) { return g[0]->box == h.box; });
+    if (same == distinct.end()) {
+      distinct.push_back({&h});
+    } else {
+      same->push_back(&h);
     }
   }
-  comm::on_every_rank(world, "live resharding", [&] {
-    TORCH_CHECK(refusal.empty(), what, ": ", refusal);
-  });
+  return distinct;
+}
 
-  // Local copies, then one buffer per peer and direction.
-  const Json my_requests = Json::parse(all[static_cast<size_t>(me)]);
+// The transfers of rank dst's j-th request that this rank takes part in;
+// on dst itself, the request's buffer in `out` and whether it is covered.
+void plan_request(TransferPlan& plan, const PieceDirectory& directory, const Json& request_json, int dst, size_t j,
+                  ExchangedPieces& out, const c10::Device& device) {
+  const bool mine = dst == plan.me;
+  const std::string name = request_json.at("n").get<std::string>();
+  auto refuse = [&](const std::string& why) {
+    if (mine && plan.refusal.empty()) plan.refusal = why;
+  };
+  if (!directory.contains(name)) return refuse("no rank holds '" + name + "'");
+  const auto& tensor = directory.at(name);
+  PieceBox request;
+  try {
+    request = box_of(tensor.shape, request_json.at("o").get<std::vector<int64_t>>(),
+                     request_json.at("l").get<std::vector<int64_t>>(), request_json.at("b").get<int64_t>(),
+                     request_json.at("e").get<int64_t>());
+  } catch (const c10::Error& e) {
+    return refuse("a request for '" + name + "': " + e.what_without_backtrace());
+  }
+  int64_t covered = 0;
+  for (const auto& group : distinct_pieces(tensor)) {
+    const PieceDirectory::Holder* from = group[(static_cast<size_t>(dst) * 131 + j) % group.size()];
+    for (const auto* h : group)
+      if (h->rank == dst) from = h;
+    if (!mine && from->rank != plan.me) continue;
+    Transfer t;
+    t.common = overlap(from->box, request);
+    if (t.common.count == 0) continue;
+    t.src = from->rank;
+    t.dst = dst;
+    t.held_index = from->index;
+    t.request_index = static_cast<int>(j);
+    t.held = &from->box;
+    t.request = request;
+    t.dtype = tensor.dtype;
+    covered += t.common.count;
+    if (t.src == plan.me) plan.sends.push_back(t);
+    if (mine && t.src != plan.me) plan.receives.push_back(t);
+  }
+  if (!mine) return;
+  if (covered != request.end - request.begin)
+    refuse("'" + name + "': " + std::to_string(covered) + " of the " + std::to_string(request.end - request.begin) +
+           " elements asked for are held by the running ranks (pieces that overlap or leave holes)");
+  out.add(name, request, at::empty({request.end - request.begin}, at::TensorOptions(tensor.dtype).device(device)));
+}
+
+// Local copies, then one buffer per peer and direction, sent in one batch.
+PieceExchangeStats move_pieces(const comm::CommunicatorPtr& world, const TransferPlan& plan,
+                               const std::vector<TensorPiece>& held, const Json& my_requests, ExchangedPieces& out,
+                               const c10::Device& device) {
+  const int me = plan.me, n = world->size();
   auto request_tensor = [&](const Transfer& t) {
     const std::string name = my_requests[static_cast<size_t>(t.request_index)].at("n").get<std::string>();
     return out.flat(name, t.request.offset, t.request.length, t.request.begin, t.request.end);
-  };
-  auto held_data = [&](const Transfer& t) {
-    const TensorPiece& p = held[static_cast<size_t>(t.held_index)];
-    return p.data.reshape({-1});
   };
   PieceExchangeStats s;
   std::vector<at::Tensor> outgoing(static_cast<size_t>(n)), incoming(static_cast<size_t>(n));
   std::vector<std::vector<at::Tensor>> parts(static_cast<size_t>(n));
   std::vector<int64_t> incoming_bytes(static_cast<size_t>(n), 0);
-  for (const auto& t : sends) {
-    const at::Tensor values = take(*t.held, held_data(t), t.request, t.common);
+  for (const auto& t : plan.sends) {
+    const at::Tensor values = take(*t.held, held[static_cast<size_t>(t.held_index)].data.reshape({-1}), t.request,
+                                   t.common);
     if (t.dst == me) {
       at::Tensor dst = request_tensor(t);
       put(t.request, dst, *t.held, t.common, values.to(device));
@@ -382,7 +374,7 @@ ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceD
       parts[static_cast<size_t>(t.dst)].push_back(values.to(device).contiguous().view(at::kByte));
     }
   }
-  for (const auto& t : receives) incoming_bytes[static_cast<size_t>(t.src)] += t.bytes();
+  for (const auto& t : plan.receives) incoming_bytes[static_cast<size_t>(t.src)] += t.bytes();
   std::vector<comm::P2POp> ops;
   for (int peer = 0; peer < n; ++peer) {
     const auto p = static_cast<size_t>(peer);
@@ -403,7 +395,7 @@ ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceD
   // Sends were planned in (request rank, request, held piece) order on every
   // rank, so each buffer unpacks in the order the receiver planned it.
   std::vector<int64_t> at_byte(static_cast<size_t>(n), 0);
-  for (const auto& t : receives) {
+  for (const auto& t : plan.receives) {
     const auto p = static_cast<size_t>(t.src);
     at::Tensor values = at::empty({t.common.count}, at::TensorOptions(t.dtype).device(device));
     values.view(at::kByte).copy_(incoming[p].narrow(0, at_byte[p], t.bytes()));
@@ -411,6 +403,32 @@ ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceD
     at::Tensor dst = request_tensor(t);
     put(t.request, dst, *t.held, t.common, values);
   }
+  return s;
+}
+
+}  // namespace
+
+ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceDirectory& directory,
+                                const std::vector<TensorPiece>& held, const std::vector<infer::PieceRequest>& wanted,
+                                const c10::Device& device, const std::string& what, PieceExchangeStats* stats) {
+  const auto start = std::chrono::steady_clock::now();
+  const int n = world->size();
+  TORCH_CHECK(directory.world_size() == n, "exchange_pieces: the directory was gathered over ",
+              directory.world_size(), " ranks, the communicator has ", n);
+  Json mine = Json::array();
+  for (const auto& r : wanted)
+    mine.push_back({{"n", r.name}, {"o", r.offset}, {"l", r.length}, {"b", r.flat_begin}, {"e", r.flat_end}});
+  const auto all = comm::all_gather_strings(*world, mine.dump());
+
+  TransferPlan plan;
+  plan.me = world->rank();
+  ExchangedPieces out(directory, what);
+  for (int dst = 0; dst < n; ++dst) {
+    const Json requests = Json::parse(all[static_cast<size_t>(dst)]);
+    for (size_t j = 0; j < requests.size(); ++j) plan_request(plan, directory, requests[j], dst, j, out, device);
+  }
+  comm::on_every_rank(world, "live resharding", [&] { TORCH_CHECK(plan.refusal.empty(), what, ": ", plan.refusal); });
+  PieceExchangeStats s = move_pieces(world, plan, held, Json::parse(all[static_cast<size_t>(plan.me)]), out, device);
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats != nullptr) *stats = s;
   return out;

@@ -103,11 +103,11 @@ std::vector<TensorPiece> optimizer_pieces(parallel::ShardedOptimizer& optimizer,
   return out;
 }
 
-std::vector<PieceRequest> optimizer_requests(const parallel::ShardedOptimizer& optimizer, const Placements& placements,
+std::vector<infer::PieceRequest> optimizer_requests(const parallel::ShardedOptimizer& optimizer, const Placements& placements,
                                              const std::vector<std::string>& optim_names) {
   const auto states = state_keys(optim_names);
   const std::set<std::string> present(optim_names.begin(), optim_names.end());
-  std::vector<PieceRequest> out;
+  std::vector<infer::PieceRequest> out;
   for_each_view(optimizer, placements, "optimizer_requests",
                 [&](const std::string& name, const nn::ParamPlacement& placement,
                     const parallel::ShardedOptimizer::PieceView& v, int64_t end) {
@@ -124,7 +124,7 @@ std::vector<PieceRequest> optimizer_requests(const parallel::ShardedOptimizer& o
   return out;
 }
 
-void load_optimizer_pieces(const PieceSource& source, parallel::ShardedOptimizer& optimizer,
+void load_optimizer_pieces(const infer::PieceSource& source, parallel::ShardedOptimizer& optimizer,
                            const Placements& placements) {
   at::NoGradGuard no_grad;
   // This rank's elements of a tensor, checked against the model's shape.
@@ -172,14 +172,14 @@ std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer) {
   return out;
 }
 
-std::vector<PieceRequest> buffer_requests(torch::nn::Module& module) {
-  std::vector<PieceRequest> out;
+std::vector<infer::PieceRequest> buffer_requests(torch::nn::Module& module) {
+  std::vector<infer::PieceRequest> out;
   for (const auto& b : module.named_buffers())
     if (b.value().defined()) out.push_back({"buffer/" + b.key(), {}, {}, 0, -1});
   return out;
 }
 
-void load_buffer_pieces(const PieceSource& reader, torch::nn::Module& module) {
+void load_buffer_pieces(const infer::PieceSource& reader, torch::nn::Module& module) {
   at::NoGradGuard no_grad;
   for (const auto& b : module.named_buffers()) {
     if (!b.value().defined()) continue;
@@ -227,7 +227,7 @@ std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, int glob
   return random_state_pieces(module, std::to_string(global_rank), true);
 }
 
-std::vector<std::string> load_random_state_pieces(const PieceSource& reader, torch::nn::Module& module,
+std::vector<std::string> load_random_state_pieces(const infer::PieceSource& reader, torch::nn::Module& module,
                                                   int global_rank) {
   return load_random_state_pieces(reader, module, std::to_string(global_rank));
 }
@@ -258,7 +258,7 @@ std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, const st
   return out;
 }
 
-std::vector<std::string> load_random_state_pieces(const PieceSource& reader, torch::nn::Module& module,
+std::vector<std::string> load_random_state_pieces(const infer::PieceSource& reader, torch::nn::Module& module,
                                                   const std::string& key) {
   const std::string prefix = rng_prefix(key);
   std::vector<std::string> missing;

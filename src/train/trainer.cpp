@@ -3,14 +3,10 @@
 #include "tessera/core/logging.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/parallel_dropout.h"
-#include "tessera/optim/lamb.h"
-#include "tessera/optim/lars.h"
+#include "tessera/optim/by_name.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -40,12 +36,8 @@ bool shares_parameters(const torch::nn::Sequential& layers) {
 // The optimizer's family, recorded in a checkpoint: states of one family
 // mean nothing to another (exp_avg of AdamW is not LAMB's).
 std::string optimizer_kind(torch::optim::Optimizer& o) {
-  if (dynamic_cast<torch::optim::AdamW*>(&o)) return "adamw";
-  if (dynamic_cast<torch::optim::Adam*>(&o)) return "adam";
-  if (dynamic_cast<torch::optim::SGD*>(&o)) return "sgd";
-  if (dynamic_cast<optim::Lamb*>(&o)) return "lamb";
-  if (dynamic_cast<optim::Lars*>(&o)) return "lars";
-  return "other";
+  const std::string name = optim::optimizer_name(o);
+  return name.empty() ? "other" : name;
 }
 
 at::Tensor rows(const at::Tensor& t, int64_t begin, int64_t count) {
@@ -61,7 +53,7 @@ TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt) {
   models::GPTImpl* raw = gpt.get();
   m.loss = [raw](const at::Tensor& logits, const at::Tensor& targets) { return raw->loss(logits, targets); };
   m.placements = gpt->placements();
-  if (gpt->config().experts > 0) m.set_aux_loss_scale = [raw](double scale) { raw->set_aux_loss_scale(scale); };
+  if (gpt->config().experts() > 0) m.set_aux_loss_scale = [raw](double scale) { raw->set_aux_loss_scale(scale); };
   m.owner = gpt;
   return m;
 }
@@ -91,29 +83,30 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               "Trainer: with pipeline stages, accumulate through "
               "pipeline micro-batches (PipelineOptions::microbatches), not accumulation (got ",
               options_.accumulation(), ")");
-  if (pp > 1) {
-    pipe_ = std::make_unique<parallel::PipelineExecutor>(model_.layers, ctx_, model_.loss, options_.pipeline());
-    local_ = std::make_shared<torch::nn::Module>("Stages");
-    for (const auto& [name, layer] : pipe_->local_layers()) local_->register_module(name, layer);
-  } else {
-    local_ = model_.layers.ptr();
-  }
   auto module_options = parallel::ShardedModuleOptions()
                             .spec(options_.spec())
                             .bucket_bytes(options_.bucket_bytes())
                             .placements(model_.placements)
-                            .offload_params(false);
-  if (pipe_) {
+                            .offload_params(options_.offload_params());
+  if (pp > 1) {
     // Each local layer is a unit; the executor gathers a stage's units
     // around its actions (Note [ZeRO-3 under a pipeline]).
-    std::vector<std::string> units;
-    for (const auto& [name, layer] : pipe_->local_layers()) units.push_back(name);
-    module_options.units(units);
-  }
-  sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options);
-  if (pipe_) {
-    sharded_->set_gradient_sync(false);  // reduced once after the schedule
-    if (sharded_->degrees().params > 1) pipe_->set_sharded(sharded_);
+    auto pipeline = options_.pipeline();
+    pipeline.shard([&](const parallel::LocalLayers& layers) -> parallel::ShardedModulePtr {
+      local_ = std::make_shared<torch::nn::Module>("Stages");
+      std::vector<std::string> units;
+      for (const auto& [name, layer] : layers) {
+        local_->register_module(name, layer);
+        units.push_back(name);
+      }
+      sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options.units(units));
+      sharded_->set_gradient_sync(false);  // reduced once after the schedule
+      return sharded_->degrees().params > 1 ? sharded_ : nullptr;
+    });
+    pipe_ = std::make_unique<parallel::PipelineExecutor>(model_.layers, ctx_, model_.loss, pipeline);
+  } else {
+    local_ = model_.layers.ptr();
+    sharded_ = std::make_shared<parallel::ShardedModule>(local_, ctx_, module_options);
   }
   gather_by_unit_ = !shares_parameters(model_.layers);
   for (auto* d : nn::dropout_layers(*local_))
@@ -160,8 +153,8 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   for (int64_t i = 0; i < m; ++i) {
     sharded_->set_gradient_sync(i == m - 1);
     const at::Tensor x = rows(inputs, i * (n / m), n / m), y = rows(targets, i * (n / m), n / m);
-    // Rows are numbered in the global batch: data rank d holds rows [d n, (d + 1) n).
-    const int64_t first_row = ctx_->rank(context::ParallelMode::kData) * n + i * (n / m);
+    // Rows are numbered in the global batch (Note [Rows of the global batch]).
+    const int64_t first_row = ctx_->batch_rows(n * ctx_->size(context::ParallelMode::kData)).first + i * (n / m);
     for (auto* d : row_dropouts_) d->set_first_row(first_row);
     at::Tensor out = gather_by_unit_ ? sharded_->forward(x) : sharded_->run([&] { return model_.layers->forward(x); });
     at::Tensor loss = model_.loss(out, y) / static_cast<double>(m);
@@ -246,8 +239,8 @@ std::vector<TensorPiece> Trainer::state_pieces() {
   return pieces;
 }
 
-std::vector<PieceRequest> Trainer::state_requests(const std::vector<std::string>& optim_names) {
-  std::vector<PieceRequest> out = optimizer_requests(*optimizer_, placements_, optim_names);
+std::vector<infer::PieceRequest> Trainer::state_requests(const std::vector<std::string>& optim_names) {
+  std::vector<infer::PieceRequest> out = optimizer_requests(*optimizer_, placements_, optim_names);
   for (auto& b : buffer_requests(*local_)) out.push_back(std::move(b));
   return out;
 }
@@ -269,7 +262,7 @@ std::string Trainer::state_metadata() const {
   return meta.dump();
 }
 
-void Trainer::load_state(const PieceSource& source, const std::string& metadata_json) {
+void Trainer::load_state(const infer::PieceSource& source, const std::string& metadata_json) {
   const Json meta = Json::parse(metadata_json);
   const std::string kind = optimizer_kind(optimizer_->inner());
   TORCH_CHECK(meta.value("optimizer", kind) == kind, source.describe(), " holds the states of optimizer '",
@@ -298,7 +291,7 @@ void Trainer::save(const std::string& dir, const std::string& extra_json, const 
 
 std::string Trainer::load(const std::string& dir) {
   // Every rank opens it, so an error (a missing or partial checkpoint) is raised on every rank.
-  CheckpointReader reader(dir);
+  infer::CheckpointReader reader(dir);
   load_state(reader, reader.metadata());
   const Json meta = Json::parse(reader.metadata());
   // Random streams belong to a rank's place in the same configuration.

@@ -12,6 +12,9 @@
 #include <vector>
 
 namespace tessera {
+namespace cli {
+class Command;
+}
 namespace context {
 
 // How the tensor-parallel ranks are arranged.
@@ -93,6 +96,12 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size);
 // number where one is needed, throws. argv[0] is the program name.
 ParallelConfig config_from_args(int argc, const char* const* argv, const ParallelConfig& base = ParallelConfig());
 
+// Adds --dp --pp --tp --tp-mode --tp-depth --sp --sp-mode --sp-split --ep
+// --order to a command's option table, bound to `config`'s fields (Note
+// [One option table] in tessera/core/cli.h): what every command with a
+// grid reads. --seed is the command's own.
+void add_grid_options(cli::Command& command, ParallelConfig& config);
+
 // True for the flags config_from_args reads ("--dp", "--tp-mode", ...; the
 // flag alone, without "=value"): for programs that parse the rest of argv
 // strictly and leave the grid's dimensions to config_from_args.
@@ -106,6 +115,10 @@ bool is_parallel_flag(const std::string& flag);
 // Unknown keys and values of the wrong type throw, naming the key.
 ParallelConfig config_from_json(const std::string& json_text);
 ParallelConfig config_from_json_file(const std::string& path);
+
+// The side q of the tensor arrangement: tp = q² in 2d, q²·depth in 2.5d,
+// q³ in 3d; tp itself in 1d. The largest such q for sizes resolve() refuses.
+int grid_side(const ParallelConfig& config);
 
 // One line: "dp=2 pp=2 tp=2(1d) sp=1(ulysses) ep=1 order=tp-sp-dp-pp seed=42".
 std::string to_string(const ParallelConfig& config);

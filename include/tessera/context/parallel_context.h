@@ -47,6 +47,16 @@ class ParallelContext {
   // See Note [Seeds per mode] in rank_grid.h; base is config().seed().
   uint64_t seed(ParallelMode mode) const;
 
+  // Note [Rows of the global batch]
+  // Data rank d of D trains rows [d·B/D, (d+1)·B/D) of a global batch of B
+  // rows; the other dimensions see the same rows. The trainer keys
+  // row-keyed dropout by these rows, the elastic trainer and the commands
+  // slice their batches with them. Throws unless D divides B.
+  struct Rows {
+    int64_t first = 0, count = 0;
+  };
+  Rows batch_rows(int64_t global_batch) const;
+
   // Several lines: backend, config, coordinates, and every mode's local rank,
   // members and seed on this rank.
   std::string describe() const;

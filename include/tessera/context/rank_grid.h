@@ -93,6 +93,28 @@ class RankGrid {
   // The global rank at the given coordinates, indexed by Dim.
   int global_rank_at(const std::array<int, kNumDims>& coordinates) const;
 
+  // Note [Layout arithmetic]
+  // What the layers, ShardedModule and the planner read off a layout,
+  // computed here once:
+  //   q()             the tensor arrangement's side: heads and hidden blocks
+  //                   split over it (1d: tp; 2d, 2.5d: q; 3d: q)
+  //   batch_blocks()  the parts the grid modes split a batch into: 1 in 1d,
+  //                   q in 2d, q·depth in 2.5d, q² in 3d
+  //   hidden_blocks() the parts one [rows, hidden] matrix is split into: tp,
+  //                   but tp / depth in 2.5d (its depth replicates matrices)
+  //   vocab_unit()    what the vocabulary is padded to a multiple of
+  //   token_mode()    the group of ranks that hold different tokens of one
+  //                   replica's batch: data, or data × sequence when sp > 1;
+  //                   replicated parameters are reduced over it and MoE
+  //                   statistics span it
+  int q() const;
+  int batch_blocks() const;
+  int hidden_blocks() const;
+  int vocab_unit() const;
+  ParallelMode token_mode() const;
+  // Tensor size > 1 in mode 2d, 2.5d or 3d.
+  bool grid_tensor_mode() const;
+
   // Whether the mode has a group (and a communicator) under this config.
   bool has_mode(ParallelMode mode) const;
   // has_mode's modes, in all_modes() order.

@@ -15,6 +15,7 @@
 #include "tessera/nn/layer_factory.h"
 
 #include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
@@ -27,35 +28,47 @@
 namespace tessera {
 namespace models {
 
+// Built in LibTorch's options style: GPTConfig().layers(2).hidden(64).heads(4).
 struct GPTConfig {
-  int64_t vocab = 50257;
-  int64_t context = 1024;
-  int64_t layers = 12;
-  int64_t heads = 12;
-  int64_t hidden = 768;
-  double dropout = 0.0;
-  bool tied = true;
+  TORCH_ARG(int64_t, vocab) = 50257;
+  TORCH_ARG(int64_t, context) = 1024;
+  TORCH_ARG(int64_t, layers) = 12;
+  TORCH_ARG(int64_t, heads) = 12;
+  TORCH_ARG(int64_t, hidden) = 768;
+  TORCH_ARG(double, dropout) = 0.0;
+  TORCH_ARG(bool, tied) = true;
   // Recompute each block's activations in backward instead of keeping them
   // (nn/activation_checkpoint.h): one more block forward per backward, the
   // same gradients, dropout included.
-  bool checkpoint_activations = false;
+  TORCH_ARG(bool, checkpoint_activations) = false;
   // Mixture of experts (nn/moe.h, docs/expert-parallel.md): with experts > 0
   // every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...) has a
   // MoE layer of `experts` experts (each a 4h GELU MLP) in place of its MLP,
   // routing each token to top_k of them; capacity_factor nullopt: dropless.
-  int64_t experts = 0;
-  int64_t moe_every = 1;
-  int64_t top_k = 1;
-  bool renormalize = false;
-  c10::optional<double> capacity_factor = c10::nullopt;
-  nn::MoEDropPolicy drop_policy = nn::MoEDropPolicy::kPosition;
-  double aux_loss_coef = 1e-2;
-  double z_loss_coef = 1e-3;
+  TORCH_ARG(int64_t, experts) = 0;
+  TORCH_ARG(int64_t, moe_every) = 1;
+  TORCH_ARG(int64_t, top_k) = 1;
+  TORCH_ARG(bool, renormalize) = false;
+  TORCH_ARG(c10::optional<double>, capacity_factor) = c10::nullopt;
+  TORCH_ARG(nn::MoEDropPolicy, drop_policy) = nn::MoEDropPolicy::kPosition;
+  TORCH_ARG(double, aux_loss_coef) = 1e-2;
+  TORCH_ARG(double, z_loss_coef) = 1e-3;
 
-  bool moe_block(int64_t block) const { return experts > 0 && (block + 1) % moe_every == 0; }
+ public:
+  GPTConfig() = default;
+  bool moe_block(int64_t block) const { return experts_ > 0 && (block + 1) % moe_every_ == 0; }
 
   // "tiny" (tests), "small" (GPT-2 124M), "medium" (GPT-2 350M).
   static GPTConfig preset(const std::string& name);
+};
+
+// The load balance of a model's last MoE forward, over the ranks of a
+// world: the largest number of assignments routed to one expert over the
+// mean (1: perfect balance), worst layer; and, averaged over layers, the
+// auxiliary loss and the assignments dropped over capacity. All 0 for a
+// dense model.
+struct MoEBalance {
+  double max_over_mean = 0, aux_loss = 0, dropped = 0;
 };
 
 class GPTBlockImpl;
@@ -99,6 +112,9 @@ class GPTImpl : public torch::nn::Module {
   void set_aux_loss_scale(double scale) { aux_loss_scale_->value = scale; }
   // What each MoE block of this rank measured in its last forward, in block order.
   std::vector<nn::MoEStats> moe_stats() const;
+  // moe_stats() summed over `world`, whose pipeline stages each hold their
+  // own blocks. Collective over world (every rank of the model's layout).
+  MoEBalance moe_balance(comm::Communicator& world) const;
 
   const GPTConfig& config() const { return config_; }
   const std::shared_ptr<nn::LayerFactory>& factory() const { return factory_; }

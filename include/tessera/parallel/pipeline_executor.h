@@ -48,6 +48,10 @@ struct PipelineRunStats {
   int count[4] = {0, 0, 0, 0};
 };
 
+class ShardedModule;
+// This rank's layers, with the model's names ("h3", ...).
+using LocalLayers = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
+
 struct PipelineOptions {
   TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::k1F1B;
   TORCH_ARG(int, microbatches) = 1;
@@ -63,6 +67,12 @@ struct PipelineOptions {
   TORCH_ARG(at::Tensor, sample) = {};
   // The pipeline group; the context's pipeline group when null.
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
+  // ZeRO-3 under a pipeline (Note [ZeRO-3 under a pipeline] in the source):
+  // called once by the constructor, after the model is cut, with this
+  // rank's layers. The ShardedModule it returns (wrapping those layers) has
+  // each stage's units gathered around every action of the stage and freed
+  // after; null, or no function: the parameters stay whole.
+  TORCH_ARG(std::function<std::shared_ptr<ShardedModule>(const LocalLayers&)>, shard) = nullptr;
 };
 
 // (output of the last layer for a micro-batch, that micro-batch's targets) -> its mean loss.
@@ -72,7 +82,6 @@ using PipelineLossFn = std::function<at::Tensor(const at::Tensor&, const at::Ten
 // `sample` (the best of `repeats`); the layers' gradients are cleared after.
 std::vector<double> measure_layer_seconds(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3);
 
-class ShardedModule;
 
 class PipelineExecutor {
  public:
@@ -94,11 +103,6 @@ class PipelineExecutor {
   // no autograd graph, no backward, no gradient message; gradients are left
   // as they are. Collective over the pipeline group.
   double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
-  // Each action of a stage then runs with the stage's units of `sharded`
-  // (the ShardedModule wrapping this rank's layers) gathered, and frees
-  // them after: ZeRO-3 under a pipeline (Note [ZeRO-3 under a pipeline] in
-  // pipeline_executor.cpp). Null: parameters are whole (the default).
-  void set_sharded(std::shared_ptr<ShardedModule> sharded);
 
   // The parameters of this rank's stages, each once: give them to the optimizer.
   std::vector<at::Tensor> parameters() const;
@@ -110,7 +114,7 @@ class PipelineExecutor {
   // scale them so that both holders keep equal weights.
   std::vector<at::Tensor> tied_copies() const;
   // The layers of this rank's stages, with the model's names ("h3", ...).
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> local_layers() const;
+  LocalLayers local_layers() const;
   const Schedule& schedule() const { return schedule_; }
   const Schedule& forward_schedule() const { return forward_schedule_; }
   // Stage s holds layers [bounds[s], bounds[s + 1]).
@@ -121,6 +125,8 @@ class PipelineExecutor {
  private:
   struct Impl;
   double run_schedule(const Schedule& schedule, const at::Tensor& inputs, const at::Tensor& targets);
+  size_t run_messages(const std::vector<Action>& actions, size_t first, const std::vector<int>& batch_of);
+  double finish_run();
   void run_action(const Action& a);
 
   PipelineOptions options_;

@@ -29,7 +29,7 @@
 // is 2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os for bf16 parameters and fp32 AdamW.
 //
 // Note [Disk offload]
-// With DiskOffloadOptions::dir set, the optimizer states, and the master
+// With Offload::kDisk (and DiskOffloadOptions::dir), the optimizer states, and the master
 // copies where they differ from the parameter chunk (bf16/fp16 parameters,
 // parameters on a GPU), live in one unlinked file per rank in that
 // directory; in memory stay only `buffers` host buffers of about
@@ -61,6 +61,7 @@
 // so call ShardedOptimizer::zero_grad (or ShardedModule::zero_grad).
 // Optimizer::save/load would see none of the sharded state and are refused:
 // use train::save_checkpoint.
+#include "tessera/parallel/offload.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/whole_norms.h"
 
@@ -97,10 +98,10 @@ struct DiskOffloadOptions {
 };
 
 struct ShardedOptimizerOptions {
-  // Optimizer states and masters in CPU memory, stepped there.
-  TORCH_ARG(bool, offload) = false;
-  // Optimizer states and masters on disk (Note [Disk offload]); implies
-  // the step on the CPU as offload does.
+  // Where optimizer states and masters live: with the parameters (none), in
+  // host memory, stepped there (host), or on disk through host buffers
+  // (disk, Note [Disk offload]; needs disk().dir()), stepped on the host too.
+  TORCH_ARG(Offload, offload) = Offload::kNone;
   TORCH_ARG(DiskOffloadOptions, disk) = {};
   TORCH_ARG(int, offload_threads) = 1;
   // The dtype the optimizer steps in (Note [Master copies]).
@@ -204,6 +205,24 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     int64_t master = -1;         // index in masters_, or -1 when the pieces are views of the chunk
     std::vector<size_t> pieces;  // indices in pieces_
   };
+  // The part of a parameter in this rank's optimizer chunk.
+  struct Range {
+    size_t group, bucket;  // inner param group, module bucket
+    const ParamSlot* slot;
+    int64_t begin, end;  // in the chunk
+  };
+  void check_options() const;
+  int optim_degree(size_t bucket) const;
+  // Every parameter's part of the chunk, in the inner groups' order, cut
+  // into pieces of at most max_piece elements (0: whole).
+  std::vector<Range> chunk_ranges(int64_t max_piece) const;
+  int64_t add_master(size_t bucket, int64_t offset, int64_t numel);
+  // Note [Optimizer storage] in the source: the master of each range (or -1).
+  std::vector<int64_t> place_masters(const std::vector<Range>& ranges);
+  std::vector<int64_t> place_tiles(const std::vector<Range>& ranges, int64_t tile_elems);
+  void make_pieces(const std::vector<Range>& ranges, const std::vector<int64_t>& master_of);
+  void make_norms();
+  void open_disk();
   void load_master_grads();
   void sync_options();
   void copy_master_to_params(const Master& m);
@@ -213,7 +232,8 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // any: a full disk on one rank stops all of them instead of leaving the
   // others waiting in the next collective.
   void on_every_rank(const std::function<void()>& fn);
-  bool on_cpu_step() const { return options_.offload() || !options_.disk().dir().empty(); }
+  bool on_cpu_step() const { return options_.offload() != Offload::kNone; }
+  bool host_offload() const { return options_.offload() == Offload::kHost; }
 
   ShardedModulePtr module_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;

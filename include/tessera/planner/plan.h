@@ -2,6 +2,7 @@
 // A plan: everything the planner chooses for a training job. It maps onto
 // a ParallelConfig, a ShardingSpec and TrainerOptions (docs/planner.md).
 #include "tessera/context/parallel_config.h"
+#include "tessera/parallel/offload.h"
 #include "tessera/parallel/pipeline_schedule.h"
 #include "tessera/parallel/sharding_spec.h"
 
@@ -23,8 +24,9 @@ struct Plan {
   parallel::ScheduleKind schedule = parallel::ScheduleKind::k1F1B;
   int chunks = 1;  // stages per pipeline rank (interleaved)
   bool checkpoint_activations = false;
-  // Optimizer states and fp32 masters in host memory, stepped there.
-  bool offload = false;
+  // Optimizer states and fp32 masters: with the parameters, or in host
+  // memory, stepped there (the planner does not model disk).
+  parallel::Offload offload = parallel::Offload::kNone;
   // bf16 parameters and gradients with fp32 masters in the optimizer
   // (2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os); false: fp32 everywhere (4 + 4 + 8).
   bool bf16 = false;

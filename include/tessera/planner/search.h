@@ -5,30 +5,35 @@
 // memory limit, ranked by predicted step time.
 #include "tessera/planner/estimate.h"
 
+#include <torch/arg.h>
+
 #include <vector>
 
 namespace tessera {
 namespace planner {
 
 struct SearchOptions {
-  int64_t global_batch = 8;  // sequences per step
-  double memory_limit = 0;   // bytes per rank; 0: the cluster's memory
-  bool bf16 = true;
-  int top = 5;
+  TORCH_ARG(int64_t, global_batch) = 8;  // sequences per step
+  TORCH_ARG(double, memory_limit) = 0;   // bytes per rank; 0: the cluster's memory
+  TORCH_ARG(bool, bf16) = true;
+  TORCH_ARG(int, top) = 5;
   // What may vary. Empty lists mean: tensor {1d}, sequence {ulysses} (only
   // tried with sp > 1), schedules {1f1b, interleaved, zb-h1}.
-  std::vector<context::TensorMode> tensor_modes;
-  std::vector<context::SequenceMode> sequence_modes;
-  std::vector<parallel::ScheduleKind> schedules;
-  int max_tensor = 0;    // 0: ranks per node
-  int max_sequence = 1;  // sequence parallelism off unless raised
-  int max_pipeline = 0;  // 0: no limit
-  int expert = 0;        // 0: every size that divides the experts and dp
-  bool checkpointing = true;  // also try activation checkpointing
-  bool offload = false;       // also try offloading the optimizer
+  TORCH_ARG(std::vector<context::TensorMode>, tensor_modes) = {};
+  TORCH_ARG(std::vector<context::SequenceMode>, sequence_modes) = {};
+  TORCH_ARG(std::vector<parallel::ScheduleKind>, schedules) = {};
+  TORCH_ARG(int, max_tensor) = 0;    // 0: ranks per node
+  TORCH_ARG(int, max_sequence) = 1;  // sequence parallelism off unless raised
+  TORCH_ARG(int, max_pipeline) = 0;  // 0: no limit
+  TORCH_ARG(int, expert) = 0;        // 0: every size that divides the experts and dp
+  TORCH_ARG(bool, checkpointing) = true;  // also try activation checkpointing
+  TORCH_ARG(bool, offload) = false;       // also try offloading the optimizer to host memory
   // Only these specs (resolved at each dp); empty: every spec AMSP's rules allow.
-  std::vector<parallel::ShardingSpec> specs;
-  int64_t max_micro_batches = 64;
+  TORCH_ARG(std::vector<parallel::ShardingSpec>, specs) = {};
+  TORCH_ARG(int64_t, max_micro_batches) = 64;
+
+ public:
+  SearchOptions() = default;
 };
 
 struct SearchResult {

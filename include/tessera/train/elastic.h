@@ -119,10 +119,10 @@ class ElasticTrainer {
   const context::ParallelConfig& layout() const { return layout_; }
   int active_size() const;
   int data_size() const { return layout_.data(); }
-  // This rank's rows [first, first + count) of a global batch (data rank d
-  // of D takes the d-th of D equal parts). Throws on an idle rank or when D
-  // does not divide the batch.
-  std::pair<int64_t, int64_t> rows_of(int64_t global_batch) const;
+  // This rank's rows [first, first + count) of a global batch (Note [Rows
+  // of the global batch] in context/parallel_context.h). Throws on an idle
+  // rank or when the data size does not divide the batch.
+  context::ParallelContext::Rows rows_of(int64_t global_batch) const;
   // Every move so far, in order.
   const std::vector<MigrationStats>& history() const { return history_; }
   // Wall and CPU seconds this rank spent waiting idle.

@@ -14,6 +14,7 @@ enum class LrDecay { kConstant, kCosine, kLinear, kPolynomial };
 
 // "constant", "cosine", "linear", "polynomial"; throws listing them.
 LrDecay lr_decay_from_string(const std::string& name);
+std::string lr_decay_name(LrDecay decay);
 
 struct LrSchedule {
   TORCH_ARG(double, peak) = 1e-3;

@@ -7,7 +7,7 @@
 // 1. Every rank says which pieces it holds (name, box, flat range, dtype;
 //    no data): PieceDirectory::gather, one all-gather of strings on the
 //    control channel. Ranks that hold nothing (idle ones) take part too.
-// 2. Every rank says which pieces it wants (PieceRequest: name, box, flat
+// 2. Every rank says which pieces it wants (infer::PieceRequest: name, box, flat
 //    range), from the directory's names (a fresh optimizer cannot say which
 //    states it will have); a second all-gather of strings.
 // 3. Every rank plans the same transfers from the same lists: for each
@@ -27,7 +27,7 @@
 //    the order in which ranks get there cannot deadlock.
 #include "tessera/comm/communicator.h"
 #include "tessera/train/checkpoint.h"
-#include "tessera/train/piece_source.h"
+#include "tessera/infer/piece_source.h"
 
 #include <c10/core/Device.h>
 
@@ -91,9 +91,9 @@ struct PieceExchangeStats {
   double seconds = 0;
 };
 
-// The pieces a rank asked for, as a PieceSource: names and shapes are the
+// The pieces a rank asked for, as an infer::PieceSource: names and shapes are the
 // directory's; flat() and full() answer the requests exactly.
-class ExchangedPieces : public PieceSource {
+class ExchangedPieces : public infer::PieceSource {
  public:
   ExchangedPieces(PieceDirectory directory, std::string what);
   std::string describe() const override { return what_; }
@@ -117,7 +117,7 @@ class ExchangedPieces : public PieceSource {
 // requests filled, in tensors on `device`. `directory` must be the one
 // gathered from these `held` lists; `what` names the source in errors.
 ExchangedPieces exchange_pieces(const comm::CommunicatorPtr& world, const PieceDirectory& directory,
-                                const std::vector<TensorPiece>& held, const std::vector<PieceRequest>& wanted,
+                                const std::vector<TensorPiece>& held, const std::vector<infer::PieceRequest>& wanted,
                                 const c10::Device& device, const std::string& what,
                                 PieceExchangeStats* stats = nullptr);
 

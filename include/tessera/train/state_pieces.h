@@ -31,13 +31,13 @@ std::vector<TensorPiece> optimizer_pieces(parallel::ShardedOptimizer& optimizer,
 
 // Loads model and optimizer state from `reader` into this rank's pieces.
 // Throws naming the parameter when the checkpoint lacks it or has another shape.
-void load_optimizer_pieces(const PieceSource& reader, parallel::ShardedOptimizer& optimizer,
+void load_optimizer_pieces(const infer::PieceSource& reader, parallel::ShardedOptimizer& optimizer,
                            const Placements& placements);
 
 // What load_optimizer_pieces will read for this rank's pieces, given the
 // "optim/..." names the source holds (a fresh optimizer has no states yet
 // to say which): for receiving them before loading (train/piece_exchange.h).
-std::vector<PieceRequest> optimizer_requests(const parallel::ShardedOptimizer& optimizer, const Placements& placements,
+std::vector<infer::PieceRequest> optimizer_requests(const parallel::ShardedOptimizer& optimizer, const Placements& placements,
                                              const std::vector<std::string>& optim_names);
 
 // Note [Buffers in checkpoints]
@@ -52,9 +52,9 @@ std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer);
 
 // Copies "buffer/<name>" into each buffer of `module`. Throws naming the
 // buffer when the checkpoint lacks it or has another shape.
-void load_buffer_pieces(const PieceSource& reader, torch::nn::Module& module);
+void load_buffer_pieces(const infer::PieceSource& reader, torch::nn::Module& module);
 // What load_buffer_pieces will read.
-std::vector<PieceRequest> buffer_requests(torch::nn::Module& module);
+std::vector<infer::PieceRequest> buffer_requests(torch::nn::Module& module);
 
 // Note [Random states in checkpoints]
 // A rank's random streams are its default CPU generator ("rng/<rank>/cpu"),
@@ -72,7 +72,7 @@ std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, int glob
 
 // Restores the streams saved by random_state_pieces; returns the names of
 // those this process has no device for.
-std::vector<std::string> load_random_state_pieces(const PieceSource& reader, torch::nn::Module& module,
+std::vector<std::string> load_random_state_pieces(const infer::PieceSource& reader, torch::nn::Module& module,
                                                   int global_rank);
 
 // The same under "rng/<key>/"; without `process_generators` the dropout
@@ -80,7 +80,7 @@ std::vector<std::string> load_random_state_pieces(const PieceSource& reader, tor
 // live migration, Note [Random streams in migration] in train/elastic.h).
 std::vector<TensorPiece> random_state_pieces(torch::nn::Module& module, const std::string& key,
                                              bool process_generators);
-std::vector<std::string> load_random_state_pieces(const PieceSource& reader, torch::nn::Module& module,
+std::vector<std::string> load_random_state_pieces(const infer::PieceSource& reader, torch::nn::Module& module,
                                                   const std::string& key);
 
 }  // namespace train

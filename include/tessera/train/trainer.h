@@ -73,9 +73,12 @@ struct TrainerOptions {
   TORCH_ARG(bool, loss_scaling) = false;
   TORCH_ARG(optim::LossScalerOptions, scaler) = {};
   TORCH_ARG(LrSchedule, lr) = {};
-  // Optimizer states and masters in CPU memory (offload) or on disk (disk.dir).
-  TORCH_ARG(bool, offload) = false;
+  // Where optimizer states and masters live (parallel/offload.h); disk
+  // needs disk().dir().
+  TORCH_ARG(parallel::Offload, offload) = parallel::Offload::kNone;
   TORCH_ARG(parallel::DiskOffloadOptions, disk) = {};
+  // Parameter shards in host memory between uses (ShardedModuleOptions::offload_params).
+  TORCH_ARG(bool, offload_params) = false;
   TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
 
  public:
@@ -122,10 +125,10 @@ class Trainer {
   // Step, layout, optimizer kind and loss-scaler state (JSON text).
   std::string state_metadata() const;
   // What load_state will read, given the names the source holds.
-  std::vector<PieceRequest> state_requests(const std::vector<std::string>& optim_names);
+  std::vector<infer::PieceRequest> state_requests(const std::vector<std::string>& optim_names);
   // Loads model, optimizer, buffers, step and loss scaler from pieces of
   // any layout of the same model and the metadata state_metadata() wrote.
-  void load_state(const PieceSource& source, const std::string& metadata_json);
+  void load_state(const infer::PieceSource& source, const std::string& metadata_json);
   // The layers this rank trains (its pipeline stages' when pipelined).
   torch::nn::Module& local_module() { return *local_; }
   const Placements& placements() const { return placements_; }

@@ -1,4 +1,4 @@
-#include "tessera/train/streamed_gpt.h"
+#include "tessera/infer/streamed_gpt.h"
 
 #include "tessera/comm/agree.h"
 #include "tessera/comm/functional.h"
@@ -14,7 +14,7 @@
 #include <limits>
 
 namespace tessera {
-namespace train {
+namespace infer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -69,13 +69,13 @@ models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads)
     TORCH_CHECK(name.find(".mlp.router") == std::string::npos && name.find(".mlp.experts") == std::string::npos,
                 where, " hold mixture-of-experts blocks ('", name, "'), which streamed inference does not run yet");
   models::GPTConfig c;
-  c.vocab = w.shape("wte.weight").at(0);
-  c.hidden = w.shape("wte.weight").at(1);
-  c.context = w.shape("wpe.weight").at(0);
-  c.layers = 0;
-  while (w.contains("h." + std::to_string(c.layers) + ".ln_1.weight")) ++c.layers;
-  c.tied = !w.contains("lm_head.weight");
-  c.dropout = 0;
+  c.vocab(w.shape("wte.weight").at(0));
+  c.hidden(w.shape("wte.weight").at(1));
+  c.context(w.shape("wpe.weight").at(0));
+  c.layers(0);
+  while (w.contains("h." + std::to_string(c.layers()) + ".ln_1.weight")) ++c.layers();
+  c.tied(!w.contains("lm_head.weight"));
+  c.dropout(0);
   if (heads <= 0) {
     nlohmann::json meta = nlohmann::json::object();
     try {
@@ -89,9 +89,9 @@ models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads)
   }
   TORCH_CHECK(heads > 0, where, " do not say how many attention heads the model has (their metadata has no "
                             "gpt.heads); pass it (--heads)");
-  c.heads = heads;
-  TORCH_CHECK(c.hidden % c.heads == 0, where, ": hidden size ", c.hidden, " is not divisible by ", c.heads, " heads");
-  for (int64_t i = 0; i < c.layers; ++i)
+  c.heads(heads);
+  TORCH_CHECK(c.hidden() % c.heads() == 0, where, ": hidden size ", c.hidden(), " is not divisible by ", c.heads(), " heads");
+  for (int64_t i = 0; i < c.layers(); ++i)
     for (const char* t : kBlockTensors)
       TORCH_CHECK(w.contains("h." + std::to_string(i) + "." + t), where, ": block ", i, " has no '", t, "'");
   return c;
@@ -120,7 +120,7 @@ struct StreamedGPT::Impl {
   Unit block_unit(int64_t i) const {
     Unit u;
     const std::string p = "h." + std::to_string(i) + ".";
-    const int64_t h = c.hidden;
+    const int64_t h = c.hidden();
     auto add = [&](const std::string& name, std::vector<int64_t> off, std::vector<int64_t> len) {
       u.reads.push_back(w->plan(p + name, off, len));
       u.offsets.push_back(u.bytes);
@@ -206,7 +206,7 @@ struct StreamedGPT::Impl {
   at::Tensor all_reduce(const at::Tensor& t) const { return tp > 1 ? comm::raw::all_reduce(t, *group) : t; }
 
   at::Tensor block(int64_t layer, const std::vector<at::Tensor>& p, const at::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), h = c.hidden;
+    const int64_t b = x.size(0), t = x.size(1), h = c.hidden();
     at::Tensor a = at::layer_norm(x, {h}, p[0], p[1], 1e-5);
     at::Tensor qkv = at::linear(a, p[2], p[3]).view({b, t, lh, 3, d}).permute({3, 0, 2, 1, 4});  // [3, b, lh, t, d]
     k_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(qkv[1]);
@@ -243,22 +243,22 @@ struct StreamedGPT::Impl {
   at::Tensor rows(const std::string& name, const at::Tensor& index) {
     std::vector<StoredWeights::ReadPlan> plans;
     const auto* ids = index.data_ptr<int64_t>();
-    for (int64_t i = 0; i < index.numel(); ++i) plans.push_back(w->plan(name, {ids[i], 0}, {1, c.hidden}));
+    for (int64_t i = 0; i < index.numel(); ++i) plans.push_back(w->plan(name, {ids[i], 0}, {1, c.hidden()}));
     return read_now(plans);
   }
 
   at::Tensor run(const at::Tensor& ids) {
     const int64_t b = ids.size(0), t = ids.size(1);
     at::Tensor flat = ids.reshape({-1}).contiguous();
-    at::Tensor x = (rows("wte.weight", flat).view({b, t, c.hidden}) +
+    at::Tensor x = (rows("wte.weight", flat).view({b, t, c.hidden()}) +
                     rows("wpe.weight", at::arange(pos, pos + t, at::kLong)).unsqueeze(0));
-    for (int64_t i = 0; i < c.layers; ++i) {
+    for (int64_t i = 0; i < c.layers(); ++i) {
       x = block(i, acquire(i), x);
       release();
     }
-    x = at::layer_norm(x, {c.hidden}, ln_f_w, ln_f_b, 1e-5);
-    at::Tensor logits = at::zeros({b, t, c.vocab}, at::kFloat);
-    for (int64_t unit = c.layers; unit < static_cast<int64_t>(units.size()); ++unit) {
+    x = at::layer_norm(x, {c.hidden()}, ln_f_w, ln_f_b, 1e-5);
+    at::Tensor logits = at::zeros({b, t, c.vocab()}, at::kFloat);
+    for (int64_t unit = c.layers(); unit < static_cast<int64_t>(units.size()); ++unit) {
       const at::Tensor table = acquire(unit)[0];
       logits.narrow(2, units[unit].head_row, table.size(0)).copy_(at::matmul(x, table.t()));
       release();
@@ -285,25 +285,25 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     TORCH_CHECK(m.o.buffers() == 0 || (m.o.prefetch() && m.o.buffers() >= 2), "StreamedGPT: buffers ",
                 m.o.buffers(), " is refused: with prefetch it must be >= 2 (one computes while the others load), ",
                 "without prefetch leave it 0 (one buffer)");
-    m.max_length = m.o.max_length() == 0 ? c.context : m.o.max_length();
-    TORCH_CHECK(m.max_length >= 1 && m.max_length <= c.context, "StreamedGPT: max_length ", m.o.max_length(),
-                " must lie in [1, ", c.context, "] (the context length; 0 means the context length)");
-    TORCH_CHECK(c.heads % m.tp == 0 && (4 * c.hidden) % m.tp == 0, "StreamedGPT: ", c.heads, " heads and ",
-                4 * c.hidden, " MLP columns must be divisible by the ", m.tp, " tensor-parallel ranks");
-    m.d = c.hidden / c.heads;
-    m.lh = c.heads / m.tp;
-    m.lf = 4 * c.hidden / m.tp;
-    m.v0 = m.rank * c.vocab / m.tp;
-    m.v1 = (m.rank + 1) * c.vocab / m.tp;
-    m.head_name = c.tied ? "wte.weight" : "lm_head.weight";
-    for (int64_t i = 0; i < c.layers; ++i) m.units.push_back(m.block_unit(i));
+    m.max_length = m.o.max_length() == 0 ? c.context() : m.o.max_length();
+    TORCH_CHECK(m.max_length >= 1 && m.max_length <= c.context(), "StreamedGPT: max_length ", m.o.max_length(),
+                " must lie in [1, ", c.context(), "] (the context length; 0 means the context length)");
+    TORCH_CHECK(c.heads() % m.tp == 0 && (4 * c.hidden()) % m.tp == 0, "StreamedGPT: ", c.heads(), " heads and ",
+                4 * c.hidden(), " MLP columns must be divisible by the ", m.tp, " tensor-parallel ranks");
+    m.d = c.hidden() / c.heads();
+    m.lh = c.heads() / m.tp;
+    m.lf = 4 * c.hidden() / m.tp;
+    m.v0 = m.rank * c.vocab() / m.tp;
+    m.v1 = (m.rank + 1) * c.vocab() / m.tp;
+    m.head_name = c.tied() ? "wte.weight" : "lm_head.weight";
+    for (int64_t i = 0; i < c.layers(); ++i) m.units.push_back(m.block_unit(i));
     // Head chunks no larger than a block, so they share its buffers.
-    const int64_t row_bytes = c.hidden * static_cast<int64_t>(c10::elementSize(m.w->dtype(m.head_name)));
+    const int64_t row_bytes = c.hidden() * static_cast<int64_t>(c10::elementSize(m.w->dtype(m.head_name)));
     const int64_t chunk = std::max<int64_t>(1, m.units[0].bytes / row_bytes);
     for (int64_t r = m.v0; r < m.v1; r += chunk) {
       Unit u;
       u.head_row = r;
-      u.reads.push_back(m.w->plan(m.head_name, {r, 0}, {std::min(chunk, m.v1 - r), c.hidden}));
+      u.reads.push_back(m.w->plan(m.head_name, {r, 0}, {std::min(chunk, m.v1 - r), c.hidden()}));
       u.offsets.push_back(0);
       u.bytes = aligned(u.reads[0].bytes);
       m.units.push_back(std::move(u));
@@ -312,7 +312,7 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     StreamPlan& p = m.plan;
     p.baseline_bytes = baseline;
     p.units = static_cast<int64_t>(m.units.size());
-    p.head_chunks = p.units - c.layers;
+    p.head_chunks = p.units - c.layers();
     int64_t largest_tensor = 0;  // not float: converted when used
     for (const auto& u : m.units) {
       p.weight_bytes += u.bytes;
@@ -320,12 +320,12 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
       for (const auto& r : u.reads)
         if (r.dtype != at::kFloat) largest_tensor = std::max(largest_tensor, r.bytes / int64_t(c10::elementSize(r.dtype)));
     }
-    const int64_t b = m.o.batch(), len = m.max_length, h = c.hidden, f = 4;
-    p.kv_bytes = 2 * c.layers * b * m.lh * len * m.d * f;
+    const int64_t b = m.o.batch(), len = m.max_length, h = c.hidden(), f = 4;
+    p.kv_bytes = 2 * c.layers() * b * m.lh * len * m.d * f;
     // A forward of max_length tokens: residual stream and norms, q/k/v, MLP
     // activations, scores and their softmax, full and chunk logits, and the
     // largest tensor converted to float when the weights are not float.
-    const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + 2 * m.lf + 2 * c.vocab + p.buffer_bytes / row_bytes) +
+    const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + 2 * m.lf + 2 * c.vocab() + p.buffer_bytes / row_bytes) +
                            2 * b * m.lh * len * len + 2 * largest_tensor;
     p.work_bytes = floats * f;
     p.margin_bytes = std::max<int64_t>(16 << 20, m.o.max_memory() / 20);
@@ -346,7 +346,7 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     // Allocate and (resident) read.
     m.ln_f_w = m.read_now({m.w->plan_whole("ln_f.weight")});
     m.ln_f_b = m.read_now({m.w->plan_whole("ln_f.bias")});
-    for (int64_t i = 0; i < c.layers; ++i) {
+    for (int64_t i = 0; i < c.layers(); ++i) {
       m.k_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
       m.v_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
     }
@@ -403,8 +403,8 @@ at::Tensor StreamedGPT::forward(const at::Tensor& ids) {
   TORCH_CHECK(m.pos + ids.size(1) <= m.max_length, "StreamedGPT::forward: ", ids.size(1), " tokens after ", m.pos,
               " exceed max_length ", m.max_length, "; reset() or build the model with a larger max_length");
   const at::Tensor cpu_ids = ids.to(at::kCPU).contiguous();
-  TORCH_CHECK(cpu_ids.min().item<int64_t>() >= 0 && cpu_ids.max().item<int64_t>() < m.c.vocab,
-              "StreamedGPT::forward: token ids must lie in [0, ", m.c.vocab, ")");
+  TORCH_CHECK(cpu_ids.min().item<int64_t>() >= 0 && cpu_ids.max().item<int64_t>() < m.c.vocab(),
+              "StreamedGPT::forward: token ids must lie in [0, ", m.c.vocab(), ")");
   const auto t0 = Clock::now();
   at::Tensor logits;
   try {
@@ -420,5 +420,5 @@ at::Tensor StreamedGPT::forward(const at::Tensor& ids) {
   return logits;
 }
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

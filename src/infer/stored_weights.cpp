@@ -1,7 +1,7 @@
-#include "tessera/train/stored_weights.h"
+#include "tessera/infer/stored_weights.h"
 
-#include "tessera/train/checkpoint.h"
-#include "tessera/train/safetensors.h"
+#include "tessera/infer/checkpoint_reader.h"
+#include "tessera/core/safetensors.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -11,7 +11,7 @@
 #include <map>
 
 namespace tessera {
-namespace train {
+namespace infer {
 
 namespace fs = std::filesystem;
 
@@ -51,7 +51,7 @@ struct StoredWeights::Impl {
     for (const auto i : c10::irange(file_paths.size()))
       if (file_paths[i] == file) return static_cast<int>(i);
     file_paths.push_back(file);
-    files.push_back(std::make_unique<AsyncFile>(AsyncFile::open_read(file, {options.io_threads, false})));
+    files.push_back(std::make_unique<AsyncFile>(AsyncFile::open_read(file, {options.io_threads(), false})));
     return static_cast<int>(file_paths.size() - 1);
   }
 
@@ -66,7 +66,7 @@ StoredWeights::StoredWeights(const std::string& path, StoredWeightsOptions optio
   Impl& m = *impl_;
   m.path = path;
   m.options = options;
-  TORCH_CHECK(options.io_threads >= 1, "StoredWeights: io_threads must be >= 1, got ", options.io_threads);
+  TORCH_CHECK(options.io_threads() >= 1, "StoredWeights: io_threads must be >= 1, got ", options.io_threads());
   TORCH_CHECK(fs::exists(path) || fs::is_directory(path + ".old"), "weights '", path,
               "' do not exist; pass a safetensors file (tessera_consolidate writes one) or a checkpoint directory");
   if (!fs::is_directory(path) && fs::exists(path)) {
@@ -89,7 +89,7 @@ StoredWeights::StoredWeights(const std::string& path, StoredWeightsOptions optio
   } else {
     m.checkpoint = std::make_unique<CheckpointReader>(path);  // refuses damaged and unfinished directories
     m.metadata = m.checkpoint->metadata();
-    for (const auto& full : m.checkpoint->names(options.prefix)) {
+    for (const auto& full : m.checkpoint->names(options.prefix())) {
       Tensor t;
       t.shape = m.checkpoint->full_shape(full);
       bool first = true;
@@ -110,9 +110,9 @@ StoredWeights::StoredWeights(const std::string& path, StoredWeightsOptions optio
         t.pieces.push_back(static_cast<int>(m.pieces.size()));
         m.pieces.push_back(std::move(p));
       }
-      m.tensors[full.substr(options.prefix.size())] = std::move(t);
+      m.tensors[full.substr(options.prefix().size())] = std::move(t);
     }
-    TORCH_CHECK(!m.tensors.empty(), "checkpoint ", path, " has no tensors named ", options.prefix, "...");
+    TORCH_CHECK(!m.tensors.empty(), "checkpoint ", path, " has no tensors named ", options.prefix(), "...");
   }
   m.checked.assign(m.pieces.size(), 0);
 }
@@ -233,7 +233,7 @@ void StoredWeights::issue(const ReadPlan& plan, void* dst, std::vector<IoWork>& 
 
 void StoredWeights::complete(const ReadPlan& plan, const void* dst) {
   Impl& m = *impl_;
-  if (m.options.drop_cache)
+  if (m.options.drop_cache())
     for (const auto& e : plan.extents) m.files[e.file]->drop_cache(e.file_offset, e.bytes);
   for (const auto& c : plan.checks) {
     if (m.checked[c.piece]) continue;
@@ -243,5 +243,5 @@ void StoredWeights::complete(const ReadPlan& plan, const void* dst) {
   }
 }
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

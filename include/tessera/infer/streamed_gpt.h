@@ -41,7 +41,8 @@
 // rank passes the same ids and gets the same full logits.
 #include "tessera/comm/communicator.h"
 #include "tessera/models/gpt.h"
-#include "tessera/train/stored_weights.h"
+#include "tessera/infer/generation.h"
+#include "tessera/infer/stored_weights.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -51,7 +52,7 @@
 #include <string>
 
 namespace tessera {
-namespace train {
+namespace infer {
 
 struct StreamedGPTOptions {
   // Bytes for the whole process (VmRSS) per rank; 0: no limit, every
@@ -102,12 +103,12 @@ struct StreamStats {
   double hidden_fraction() const;  // 1 - stall / read; 1 with nothing read
 };
 
-class StreamedGPT {
+class StreamedGPT : public TokenModel {
  public:
   // Collective over options.group. Throws on every rank of the group if the
   // weights are not a GPT, or the budget cannot hold the plan.
   StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOptions options = {});
-  ~StreamedGPT();  // waits for the reads in flight
+  ~StreamedGPT() override;  // waits for the reads in flight
   StreamedGPT(const StreamedGPT&) = delete;
   StreamedGPT& operator=(const StreamedGPT&) = delete;
 
@@ -115,17 +116,17 @@ class StreamedGPT {
   const StreamPlan& plan() const;
   const StreamStats& stats() const;
   void reset_stats();
-  const comm::CommunicatorPtr& group() const;
+  const comm::CommunicatorPtr& group() const override;
 
   // Empties the KV cache for `batch` (<= options.batch) new sequences.
-  void reset(int64_t batch);
+  void reset(int64_t batch) override;
   // Tokens each sequence holds in the cache.
   int64_t position() const;
   // ids [batch, t] continue every sequence at position(); returns logits
   // [batch, t, vocab] in float over the whole vocabulary, on every rank.
   // Collective over the group. After a failure (a damaged file) the model
   // refuses further calls.
-  at::Tensor forward(const at::Tensor& ids);
+  at::Tensor forward(const at::Tensor& ids) override;
 
  private:
   struct Impl;
@@ -137,5 +138,5 @@ class StreamedGPT {
 // the caller's metadata, as train_gpt's) or `heads` (> 0 wins). Refuses weights that are not a dense GPT, naming what is missing.
 models::GPTConfig gpt_config_from_weights(const StoredWeights& weights, int64_t heads = 0);
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

@@ -1,4 +1,4 @@
-#include "tessera/train/safetensors.h"
+#include "tessera/core/safetensors.h"
 
 #include "tessera/core/hash.h"
 
@@ -10,7 +10,6 @@
 #include <fstream>
 
 namespace tessera {
-namespace train {
 namespace {
 
 using Json = nlohmann::json;
@@ -171,5 +170,4 @@ at::Tensor SafetensorsFile::read(const std::string& name) const {
   return t;
 }
 
-}  // namespace train
 }  // namespace tessera

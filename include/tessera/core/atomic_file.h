@@ -2,12 +2,10 @@
 #include <string>
 
 namespace tessera {
-namespace train {
 
 // Writes `text` to `path` through path + ".tmp" and a rename, so a failed
 // write (a full disk) leaves an earlier file whole; the temporary is
 // removed on failure. Throws naming the file and what to do.
 void write_file_atomically(const std::string& path, const std::string& text);
 
-}  // namespace train
 }  // namespace tessera

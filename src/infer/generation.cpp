@@ -1,4 +1,4 @@
-#include "tessera/train/generation.h"
+#include "tessera/infer/generation.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -8,7 +8,7 @@
 #include <limits>
 
 namespace tessera {
-namespace train {
+namespace infer {
 
 at::Tensor sample_tokens(const at::Tensor& logits, const SamplingOptions& o, at::Generator& generator) {
   TORCH_CHECK(logits.dim() == 2, "sample_tokens: logits must be [batch, vocab], got ", logits.sizes());
@@ -31,7 +31,7 @@ double Generation::decode_tokens_per_second() const {
   return decode_seconds > 0 ? static_cast<double>(steps * tokens.size(0)) / decode_seconds : 0.0;
 }
 
-Generation generate(StreamedGPT& model, const at::Tensor& prompt, int64_t new_tokens, const SamplingOptions& o,
+Generation generate(TokenModel& model, const at::Tensor& prompt, int64_t new_tokens, const SamplingOptions& o,
                     bool keep_logits) {
   TORCH_CHECK(prompt.dim() == 2 && prompt.size(1) >= 1, "generate: the prompt must be [batch, tokens >= 1], got ",
               prompt.sizes());
@@ -58,5 +58,5 @@ Generation generate(StreamedGPT& model, const at::Tensor& prompt, int64_t new_to
   return out;
 }
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

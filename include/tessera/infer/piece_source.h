@@ -11,7 +11,7 @@
 #include <vector>
 
 namespace tessera {
-namespace train {
+namespace infer {
 
 // The part of a full tensor a rank will load, described as a TensorPiece
 // is (Note [Checkpoint layout]); offset empty: the whole tensor.
@@ -41,5 +41,5 @@ class PieceSource {
                           const std::vector<int64_t>& length, int64_t begin, int64_t end) const = 0;
 };
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

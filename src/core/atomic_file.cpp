@@ -1,4 +1,4 @@
-#include "tessera/train/atomic_file.h"
+#include "tessera/core/atomic_file.h"
 
 #include <c10/util/Exception.h>
 
@@ -6,7 +6,6 @@
 #include <fstream>
 
 namespace tessera {
-namespace train {
 
 void write_file_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
@@ -26,5 +25,4 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path);
 }
 
-}  // namespace train
 }  // namespace tessera

@@ -23,6 +23,7 @@
 #include "tessera/core/async_file.h"
 
 #include <c10/core/ScalarType.h>
+#include <torch/arg.h>
 
 #include <cstdint>
 #include <memory>
@@ -30,16 +31,19 @@
 #include <vector>
 
 namespace tessera {
-namespace train {
+namespace infer {
 
 struct StoredWeightsOptions {
-  int io_threads = 2;              // per file
-  std::string prefix = "model/";   // of the tensors' names in a checkpoint
+  TORCH_ARG(int, io_threads) = 2;               // per file
+  TORCH_ARG(std::string, prefix) = "model/";    // of the tensors' names in a checkpoint
   // Drop the pages read from the page cache once they are in the caller's
   // buffer, so that every read goes to the disk: what streaming costs when
   // the weights do not fit in the machine's memory either, and a page cache
   // left to the job's other files.
-  bool drop_cache = false;
+  TORCH_ARG(bool, drop_cache) = false;
+
+ public:
+  StoredWeightsOptions() = default;
 };
 
 class StoredWeights {
@@ -94,5 +98,5 @@ class StoredWeights {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace train
+}  // namespace infer
 }  // namespace tessera

@@ -13,7 +13,6 @@
 #include <vector>
 
 namespace tessera {
-namespace train {
 
 // Note [Tensor checksums]
 // write_safetensors stores a 64-bit checksum of every tensor's bytes
@@ -68,5 +67,4 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-}  // namespace train
 }  // namespace tessera

@@ -1,0 +1,126 @@
+#pragma once
+// The run configuration of a training command (docs/train-gpt.md): every
+// choice of a run in one struct with its defaults, and the option table
+// that reads it from flags and --config and prints it as --help
+// (Note [One option table] in tessera/core/cli.h). train_gpt is a loop
+// over it; a user's own command can add its options beside these.
+//
+//   train::RunOptions run;
+//   cli::Command cmd = train::run_command("my_trainer", "What it trains.", run);
+//   if (!cmd.parse(argc, argv).run) ...;     // --help, --version: print its text
+//   run.check(world_size);                   // the rules between options, on every rank alike
+#include "tessera/context/layout.h"
+#include "tessera/context/parallel_config.h"
+#include "tessera/core/cli.h"
+#include "tessera/models/gpt.h"
+#include "tessera/parallel/offload.h"
+#include "tessera/parallel/pipeline_schedule.h"
+#include "tessera/parallel/sharding_spec.h"
+#include "tessera/train/lr_schedule.h"
+#include "tessera/train/token_data.h"
+#include "tessera/train/trainer.h"
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera {
+namespace train {
+
+enum class Precision { kFp32, kBf16 };
+// --plan: none; auto, the planner chooses the layout; flags, it predicts the flags' layout.
+enum class PlanMode { kNone, kAuto, kFlags };
+
+struct RunOptions {
+  RunOptions();
+
+  // Layout. grid().seed() is the run's seed: initial weights, the data
+  // windows and every dropout stream.
+  TORCH_ARG(context::ParallelConfig, grid);
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(parallel::ShardingSpec, spec) = parallel::ShardingSpec::ddp();
+  TORCH_ARG(parallel::ScheduleKind, schedule) = parallel::ScheduleKind::k1F1B;
+  TORCH_ARG(int64_t, microbatches) = 0;  // 0: 2 x pipeline size
+  TORCH_ARG(int, chunks) = 1;
+  TORCH_ARG(int64_t, accumulation) = 1;
+  TORCH_ARG(parallel::Offload, offload) = parallel::Offload::kNone;
+  TORCH_ARG(std::string, offload_dir) = "";
+  TORCH_ARG(bool, offload_params) = false;
+  // The model: sizes, dropout, experts, activation checkpointing; its
+  // vocabulary comes from the data and its context from seq.
+  TORCH_ARG(models::GPTConfig, model);
+  // Optimization.
+  TORCH_ARG(Precision, precision) = Precision::kFp32;
+  TORCH_ARG(std::string, optimizer) = "adamw";
+  TORCH_ARG(double, lr) = 3e-3;
+  TORCH_ARG(double, min_lr_ratio) = 0.1;
+  TORCH_ARG(int64_t, warmup) = -1;  // -1: warmup_for(steps)
+  TORCH_ARG(LrDecay, decay) = LrDecay::kCosine;
+  TORCH_ARG(double, weight_decay) = 0.1;
+  TORCH_ARG(double, clip) = 1.0;
+  // Data and batch.
+  TORCH_ARG(std::string, data) = kDefaultCorpus;
+  TORCH_ARG(TokenFormat, data_format) = TokenFormat::kAuto;
+  TORCH_ARG(int64_t, steps) = 100;
+  TORCH_ARG(int64_t, batch) = 16;
+  // Elastic: "STEP:BATCH,..." changes the global batch (and the data size) at those steps.
+  TORCH_ARG(std::string, batch_schedule) = "";
+  TORCH_ARG(int64_t, min_rows_per_replica) = 1;
+  // Output: what is written, and only where asked.
+  TORCH_ARG(std::string, save) = "";
+  TORCH_ARG(int64_t, save_every) = 0;
+  TORCH_ARG(std::string, resume) = "";
+  TORCH_ARG(std::string, metrics) = "";
+  TORCH_ARG(std::string, consolidate) = "";
+  TORCH_ARG(int64_t, sample) = 200;
+  TORCH_ARG(int64_t, eval_every) = 25;
+  TORCH_ARG(int64_t, log_every) = 1;
+  // Planner (docs/planner.md).
+  TORCH_ARG(PlanMode, plan) = PlanMode::kNone;
+  TORCH_ARG(std::string, cluster) = "";
+  TORCH_ARG(std::string, comm_bench) = "";
+  TORCH_ARG(double, memory_gb) = 0;
+  TORCH_ARG(double, overlap) = 0;
+  TORCH_ARG(int64_t, plan_top) = 5;
+  // The options the user set (flags or --config), by option name: rules that
+  // refuse a combination only when it was asked for read them.
+  TORCH_ARG(std::vector<std::string>, given) = {};
+
+ public:
+  static constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
+
+  bool was_given(const std::string& option) const;
+  bool elastic() const { return !batch_schedule().empty(); }
+  bool bf16() const { return precision() == Precision::kBf16; }
+  int64_t seq() const { return model().context(); }
+  // The warm-up steps: the flag, or warmup_for(steps()).
+  int64_t warmup_steps() const;
+  // Pipeline micro-batches: the flag, or twice the pipeline size.
+  int64_t pipeline_microbatches() const;
+  // The rules between options, on every rank alike (a c10::Error naming the
+  // options and what to do). world_size: the ranks of the job.
+  void check(int world_size) const;
+  // The trainer's options of this run.
+  TrainerOptions trainer_options() const;
+  // The layout's description for the layer factory and the planner.
+  context::Layout layout(bool row_keyed_dropout = false) const;
+};
+
+// Warm-up when the run does not say: a tenth of the steps.
+int64_t warmup_for(int64_t steps);
+
+// The option names --plan auto chooses; giving one of them beside it is refused.
+const std::vector<std::string>& planned_options();
+
+// The option table of a training command over `run`, bound to its fields
+// (`run` must outlive the command); parsing also records run.given().
+cli::Command run_command(const std::string& name, const std::string& summary, RunOptions& run);
+
+// The names of the enums above, for messages and progress lines.
+std::string precision_name(Precision p);
+std::string plan_mode_name(PlanMode m);
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,215 @@
+#include "tessera/infer/checkpoint_reader.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace tessera {
+namespace infer {
+namespace {
+
+using Json = nlohmann::json;
+namespace fs = std::filesystem;
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+  const bool partial = dir_.size() > 8 && dir_.compare(dir_.size() - 8, 8, ".partial") == 0;
+  TORCH_CHECK(!partial, "checkpoint ", dir_,
+              " is a save that did not finish (a '.partial' directory); load an "
+              "earlier checkpoint");
+  if (!fs::is_directory(dir_)) {
+    TORCH_CHECK(!fs::is_directory(dir_ + ".old"), "checkpoint ", dir_, " is missing: a save was replacing it when it ",
+                "stopped. The previous checkpoint is in ", dir_, ".old",
+                fs::exists(dir_ + ".partial/index.json")
+                    ? " and the new one, written in full, in " + dir_ + ".partial"
+                    : std::string(" (the new one did not finish)"),
+                ". Rename the one to load to ", dir_, ", or save into ", dir_,
+                " again: a save puts the previous checkpoint back first");
+    TORCH_CHECK(!fs::is_directory(dir_ + ".partial"), "checkpoint ", dir_, " is incomplete: only ", dir_,
+                ".partial exists (a save that did not finish); load an earlier checkpoint");
+    TORCH_CHECK(false, "checkpoint ", dir_, " does not exist");
+  }
+  const std::string index_path = dir_ + "/index.json";
+  TORCH_CHECK(fs::exists(index_path), "checkpoint ", dir_,
+              " has no index.json: it is not a tessera checkpoint or "
+              "its save did not finish");
+  Json index;
+  try {
+    std::ifstream in(index_path);
+    index = Json::parse(in);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "checkpoint ", dir_, ": index.json is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(index.value("format", "") == "tessera-checkpoint", "checkpoint ", dir_,
+              ": index.json is not a tessera checkpoint index");
+  const int version = index.value("version", 0);
+  TORCH_CHECK(version == 1 || version == 2, "checkpoint ", dir_, ": index.json has format version ", version,
+              "; this tessera reads versions 1 and 2 (a newer tessera wrote it: load it with that one)");
+  metadata_ = index["metadata"].dump();
+  world_size_ = index["world_size"].get<int>();
+  for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
+    const std::string path = dir_ + "/" + it.key();
+    TORCH_CHECK(fs::exists(path), "checkpoint ", dir_, " is damaged: ", it.key(), " is missing");
+    const auto size = fs::file_size(path);
+    TORCH_CHECK(size == it.value().get<uintmax_t>(), "checkpoint ", dir_, " is damaged: ", it.key(), " has ", size,
+                " bytes, the index says ", it.value().get<uintmax_t>());
+  }
+  for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
+    Entry e;
+    e.shape = it.value()["shape"].get<std::vector<int64_t>>();
+    for (const auto& p : it.value()["pieces"]) {
+      Piece piece{p["file"].get<std::string>(), p["key"].get<std::string>(), {}, {}, p["flat"][0].get<int64_t>(),
+                  p["flat"][1].get<int64_t>()};
+      if (version >= 2) {
+        piece.offset = p["offset"].get<std::vector<int64_t>>();
+        piece.length = p["length"].get<std::vector<int64_t>>();
+      } else {  // one sharded dimension, or dim -1 for the whole tensor
+        piece.offset.assign(e.shape.size(), 0);
+        piece.length = e.shape;
+        const auto dim = p["dim"].get<int64_t>();
+        if (dim >= 0) {
+          piece.offset.at(dim) = p["offset"].get<int64_t>();
+          piece.length.at(dim) = p["length"].get<int64_t>();
+        }
+      }
+      TORCH_CHECK(piece.offset.size() == e.shape.size() && piece.length.size() == e.shape.size(), "checkpoint ",
+                  dir_, ": a piece of '", it.key(), "' has a region of another rank than its tensor");
+      e.pieces.push_back(std::move(piece));
+    }
+    tensors_[it.key()] = std::move(e);
+  }
+}
+
+std::vector<std::string> CheckpointReader::names(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (const auto& t : tensors_)
+    if (t.first.compare(0, prefix.size(), prefix) == 0) out.push_back(t.first);
+  return out;
+}
+
+std::vector<int64_t> CheckpointReader::full_shape(const std::string& name) const {
+  auto it = tensors_.find(name);
+  TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
+  return it->second.shape;
+}
+
+at::Tensor CheckpointReader::full(const std::string& name) const {
+  const auto shape = full_shape(name);
+  return region(name, std::vector<int64_t>(shape.size(), 0), shape);
+}
+
+at::Tensor CheckpointReader::flat(const std::string& name, const std::vector<int64_t>& offset,
+                                  const std::vector<int64_t>& length, int64_t begin, int64_t end) const {
+  return region(name, offset, length).reshape({-1}).narrow(0, begin, end - begin);
+}
+
+at::Tensor CheckpointReader::region(const std::string& name, const std::vector<int64_t>& offset,
+                                    const std::vector<int64_t>& length) const {
+  auto it = tensors_.find(name);
+  TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
+  const Entry& e = it->second;
+  const size_t nd = e.shape.size();
+  TORCH_CHECK(offset.size() == nd && length.size() == nd, "checkpoint ", dir_, ": region of '", name, "' needs ", nd,
+              " offsets and lengths");
+  for (size_t d = 0; d < nd; ++d)
+    TORCH_CHECK(offset[d] >= 0 && length[d] >= 0 && offset[d] + length[d] <= e.shape[d], "checkpoint ", dir_,
+                ": region of '", name, "' lies outside its shape ", c10::IntArrayRef(e.shape));
+  at::Tensor out;
+  // Elements of the box filled so far, counted per element to find holes.
+  at::Tensor filled = at::zeros(length, at::kBool);
+  for (const auto& p : e.pieces) {
+    // The overlap of the piece's region with the box, per dimension.
+    std::vector<int64_t> lo(nd), hi(nd);
+    bool overlaps = true;
+    for (size_t d = 0; d < nd; ++d) {
+      lo[d] = std::max(offset[d], p.offset[d]);
+      hi[d] = std::min(offset[d] + length[d], p.offset[d] + p.length[d]);
+      overlaps = overlaps && lo[d] < hi[d];
+    }
+    if (!overlaps && nd > 0) continue;
+    // The rows (dimension 0 of the piece's region) its flat range touches.
+    const int64_t region_numel = numel_of(p.length);
+    const int64_t row = nd == 0 ? 1 : std::max<int64_t>(1, region_numel / std::max<int64_t>(p.length[0], 1));
+    const int64_t begin = p.flat_end < 0 ? 0 : p.flat_begin;
+    const int64_t end = p.flat_end < 0 ? region_numel : p.flat_end;
+    const int64_t r0 = begin / row, r1 = (end + row - 1) / row;
+    const at::Tensor data = file(dir_ + "/" + p.file).read(p.key).view({-1});
+    std::vector<int64_t> rows_shape = p.length;
+    if (nd > 0) rows_shape[0] = r1 - r0;
+    at::Tensor rows = at::zeros(rows_shape, data.options());
+    at::Tensor mask = at::zeros(rows_shape, at::kBool);
+    rows.view({-1}).narrow(0, begin - r0 * row, data.numel()).copy_(data);
+    mask.view({-1}).narrow(0, begin - r0 * row, data.numel()).fill_(true);
+    if (!out.defined()) out = at::zeros(length, data.options());
+    // Narrow both sides to the overlap (piece rows start at region row r0).
+    at::Tensor src = rows, src_mask = mask, dst = out, dst_mask = filled;
+    bool empty = false;
+    for (size_t d = 0; d < nd; ++d) {
+      const auto dim = static_cast<int64_t>(d);
+      const int64_t base = p.offset[d] + (d == 0 ? r0 : 0);
+      const int64_t a = std::max(lo[d], base), b = std::min(hi[d], base + rows_shape[d]);
+      if (a >= b) {
+        empty = true;
+        break;
+      }
+      src = src.narrow(dim, a - base, b - a);
+      src_mask = src_mask.narrow(dim, a - base, b - a);
+      dst = dst.narrow(dim, a - offset[d], b - a);
+      dst_mask = dst_mask.narrow(dim, a - offset[d], b - a);
+    }
+    if (empty) continue;
+    dst.copy_(at::where(src_mask, src, dst));
+    dst_mask.logical_or_(src_mask);
+  }
+  const int64_t holes = filled.numel() - filled.sum().item<int64_t>();
+  TORCH_CHECK(out.defined() && holes == 0, "checkpoint ", dir_, ": tensor '", name, "' has ",
+              out.defined() ? holes : filled.numel(), " elements that no piece holds");
+  return out;
+}
+
+const SafetensorsFile& CheckpointReader::file(const std::string& path) const {
+  auto& f = files_[path];
+  if (!f) f = std::make_unique<SafetensorsFile>(path);
+  return *f;
+}
+
+std::vector<CheckpointReader::StoredPiece> CheckpointReader::stored_pieces(const std::string& name) const {
+  auto it = tensors_.find(name);
+  TORCH_CHECK(it != tensors_.end(), "checkpoint ", dir_, " has no tensor '", name, "'");
+  std::vector<StoredPiece> out;
+  for (const auto& p : it->second.pieces) {
+    StoredPiece s;
+    s.path = dir_ + "/" + p.file;
+    s.key = p.key;
+    s.location = file(s.path).location(p.key);
+    s.offset = p.offset;
+    s.length = p.length;
+    const int64_t region = numel_of(p.length);
+    s.flat_begin = p.flat_end < 0 ? 0 : p.flat_begin;
+    s.flat_end = p.flat_end < 0 ? region : p.flat_end;
+    const int64_t elements = s.location.bytes / static_cast<int64_t>(c10::elementSize(s.location.dtype));
+    TORCH_CHECK(s.flat_begin >= 0 && s.flat_begin <= s.flat_end && s.flat_end <= region &&
+                    elements == s.flat_end - s.flat_begin,
+                "checkpoint ", dir_, " is damaged: piece '", p.key, "' of ", p.file, " holds ", elements,
+                " elements, the index says [", s.flat_begin, ", ", s.flat_end, ") of a region of ", region);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace infer
+}  // namespace tessera

@@ -1,0 +1,204 @@
+#include "tessera/train/gpt_run.h"
+
+#include "tessera/nn/layer_factory.h"
+#include "tessera/optim/by_name.h"
+#include "tessera/train/checkpoint.h"
+#include "tessera/infer/windowed_gpt.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+namespace tessera {
+namespace train {
+namespace {
+
+namespace fs = std::filesystem;
+
+OptimizerFactory optimizer_factory(const RunOptions& run) {
+  const auto by_name = optim::OptimizerByName().name(run.optimizer()).lr(run.lr()).weight_decay(run.weight_decay());
+  return [by_name](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+    return optim::make_optimizer(by_name, named);
+  };
+}
+
+// A directory of our own under $TMPDIR (or /tmp) for the final weights.
+std::string make_temporary_dir() {
+  std::string pattern = (fs::temp_directory_path() / "tessera-final-XXXXXX").string();
+  TORCH_CHECK(mkdtemp(pattern.data()) != nullptr, "cannot create a temporary directory like ", pattern,
+              " for the final weights; pass --save DIR");
+  return pattern;
+}
+
+}  // namespace
+
+TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt, Precision precision) {
+  if (precision == Precision::kBf16) gpt->to(at::kBFloat16);
+  TrainModel model = gpt_train_model(gpt);
+  if (precision == Precision::kBf16) {
+    auto inner = model.loss;
+    model.loss = [inner](const at::Tensor& logits, const at::Tensor& y) { return inner(logits.to(at::kFloat), y); };
+  }
+  return model;
+}
+
+std::shared_ptr<models::GPTImpl> build_gpt(const models::GPTConfig& config, const context::ParallelContextPtr& ctx,
+                                           const RunOptions& run, bool row_keyed_dropout) {
+  at::manual_seed(run.grid().seed());
+  auto factory = nn::make_layer_factory(ctx, run.sequence_parallel(), row_keyed_dropout);
+  return std::make_shared<models::GPTImpl>(config, factory);
+}
+
+GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
+    : world_(std::move(world)),
+      run_(std::move(run)),
+      config_(models::GPTConfig(run_.model()).vocab(vocab)),
+      schedule_(run_.elastic() ? BatchSchedule::parse(run_.batch_schedule()) : BatchSchedule::constant(run_.batch())) {
+  run_.check(world_->size());
+  // Elastic dropout is keyed by the row of the global batch, so that the
+  // masks do not depend on the data size (Note [Row-keyed dropout]).
+  const bool row_keyed = run_.elastic() && config_.dropout() > 0;
+  auto build = [this, row_keyed](const context::ParallelContextPtr& c) {
+    gpt_ = build_gpt(config_, c, run_, row_keyed);
+    return gpt_train_model(gpt_, run_.precision());
+  };
+  context::ParallelConfig layout = run_.grid();
+  const std::string& resume = run_.resume();
+  if (run_.elastic()) {
+    // A resumed elastic run starts in the layout of its step's batch: the
+    // checkpoint's, so that the dropout streams are restored too.
+    if (!resume.empty())
+      start_ = nlohmann::json::parse(infer::CheckpointReader(resume).metadata()).at("step").get<int64_t>();
+    const int per_replica = layout.pipeline() * layout.tensor() * layout.sequence();
+    layout.data(data_size_for(schedule_.at(start_), world_->size() / per_replica, run_.min_rows_per_replica(),
+                              run_.accumulation(), layout.expert()));
+    elastic_ = std::make_unique<ElasticTrainer>(
+        world_, build, optimizer_factory(run_), layout,
+        ElasticOptions().trainer(run_.trainer_options()).min_rows_per_replica(run_.min_rows_per_replica()));
+  } else {
+    ctx_ = context::ParallelContext::create(world_, layout);
+    fixed_ = std::make_unique<Trainer>(ctx_, build(ctx_), optimizer_factory(run_), run_.trainer_options());
+    ctx_->batch_rows(run_.batch());  // refuses a batch the data size does not divide, before any step
+  }
+  if (!resume.empty()) {
+    if (Trainer* t = trainer()) {
+      t->load(resume);
+      start_ = t->step();
+    }
+  }
+  if (gpt_)
+    for (const auto& entry : gpt_->placements()) {
+      int64_t numel = 1;
+      for (int64_t d : entry.second.full_shape) numel *= d;
+      parameters_ += numel;
+    }
+  at::Tensor count = at::tensor({parameters_}, at::kLong);  // idle ranks learn it too
+  world_->control()->all_reduce(count, comm::AllReduceOptions{comm::ReduceOp::kMax})->wait();
+  parameters_ = count.item<int64_t>();
+}
+
+GPTRun::~GPTRun() {
+  // Rank 0 made it and reads it last (consolidate_and_sample).
+  std::error_code ignored;
+  if (!temporary_.empty() && world_->rank() == 0) fs::remove_all(temporary_, ignored);
+}
+
+std::optional<MigrationStats> GPTRun::adapt(int64_t step) {
+  if (!elastic_ || !elastic_->adapt(schedule_.at(step))) return std::nullopt;
+  if (!elastic_->active()) gpt_ = nullptr;
+  return elastic_->history().back();
+}
+
+Trainer* GPTRun::trainer() {
+  if (elastic_) return elastic_->active() ? &elastic_->trainer() : nullptr;
+  return fixed_.get();
+}
+
+context::ParallelContext::Rows GPTRun::rows(int64_t global_batch) const {
+  return elastic_ ? elastic_->rows_of(global_batch) : ctx_->batch_rows(global_batch);
+}
+
+std::string GPTRun::layout_name() const {
+  if (elastic_) return elastic_->layout_name();
+  const auto& c = ctx_->config();
+  std::string s = fmt::format("dp{} pp{} tp{}", c.data(), c.pipeline(), c.tensor());
+  if (c.sequence() > 1) s += fmt::format(" sp{}", c.sequence());
+  return s;
+}
+
+int GPTRun::active_ranks() const { return elastic_ ? elastic_->active_size() : world_->size(); }
+
+int GPTRun::data_size() const { return elastic_ ? elastic_->data_size() : ctx_->config().data(); }
+
+std::string GPTRun::describe() const {
+  const std::string layout =
+      elastic_ ? fmt::format("elastic over {} ranks, {}, data size from the batch (>= {} rows per replica)",
+                             world_->size(), elastic_->layout_name(), run_.min_rows_per_replica())
+               : context::to_string(ctx_->config());
+  const int pp = run_.grid().pipeline();
+  return fmt::format("{} | spec {}{}{} | {}", layout, run_.spec().to_string(),
+                     config_.checkpoint_activations() ? ", activation checkpointing" : "",
+                     run_.offload() != parallel::Offload::kNone ? ", offload " + parallel::offload_name(run_.offload())
+                                                                : std::string(),
+                     pp > 1 ? fmt::format("schedule {} x {} micro-batches", parallel::to_string(run_.schedule()),
+                                          run_.pipeline_microbatches())
+                            : std::string("no pipeline"));
+}
+
+std::string GPTRun::metadata(int64_t step) const {
+  return fmt::format(R"({{"step": {}, "gpt": {{"heads": {}}}}})", step, config_.heads());
+}
+
+void GPTRun::finish() {
+  if (elastic_) elastic_->finish();
+}
+
+std::string GPTRun::save_final() {
+  std::string dir;
+  if (!run_.save().empty()) {
+    dir = run_.save() + "/final";
+  } else if (!run_.consolidate().empty() || run_.sample() > 0) {
+    // Rank 0 names the directory; the others write their pieces into it.
+    std::string made = world_->rank() == 0 ? make_temporary_dir() : std::string();
+    at::Tensor name = at::zeros({4096}, at::kByte);
+    TORCH_CHECK(made.size() < 4096, "the temporary directory's name is too long: ", made);
+    std::memcpy(name.data_ptr(), made.data(), made.size());
+    world_->control()->broadcast(name)->wait();
+    temporary_ = std::string(reinterpret_cast<const char*>(name.data_ptr()));
+    dir = temporary_ + "/final";  // the checkpoint makes its own directory
+  } else {
+    return "";
+  }
+  if (Trainer* t = trainer()) t->save(dir, metadata(t->step()));
+  world_->control()->barrier()->wait();  // idle ranks wait for the files too
+  return dir;
+}
+
+std::vector<int64_t> GPTRun::consolidate_and_sample(const std::string& final_dir, int64_t first_token) {
+  // Collective: rank 0 alone gets a communicator for its serial copy.
+  const bool sampling = !final_dir.empty() && run_.sample() > 0;
+  auto self = sampling ? world_->split(world_->rank() == 0 ? 0 : -1, 0, "sample") : nullptr;
+  if (final_dir.empty() || world_->rank() != 0) return {};
+  if (!run_.consolidate().empty()) consolidate_checkpoint(final_dir, run_.consolidate());
+  if (!sampling) return {};
+  // A serial copy of the final weights, sampled through generate(); the
+  // window slides past the context (WindowedGPT).
+  infer::CheckpointReader reader(final_dir);
+  std::map<std::string, at::Tensor> full;
+  for (const auto& name : reader.names("model/")) full[name.substr(6)] = reader.full(name).to(at::kFloat);
+  auto serial = std::make_shared<models::GPTImpl>(models::GPTConfig(config_).dropout(0).checkpoint_activations(false),
+                                                  nn::make_1d_factory(self, false, 1, 2));
+  serial->load_full_state(full);
+  infer::WindowedGPT model(serial);
+  const infer::Generation g = infer::generate(model, at::full({1, 1}, first_token, at::kLong), run_.sample(),
+                                              infer::SamplingOptions().temperature(0.8).seed(run_.grid().seed()));
+  const at::Tensor row = g.tokens[0].contiguous();
+  return std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+}
+
+}  // namespace train
+}  // namespace tessera

@@ -1,0 +1,236 @@
+#include "tessera/train/run_options.h"
+
+#include "tessera/optim/by_name.h"
+#include "tessera/train/batch_schedule.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace tessera {
+namespace train {
+namespace {
+
+using context::ParallelConfig;
+using parallel::Offload;
+
+std::string show_capacity(const c10::optional<double>& c) { return c ? fmt::format("{}", *c) : "dropless"; }
+
+c10::optional<double> parse_capacity(const std::string& text) {
+  if (text == "dropless") return c10::nullopt;
+  size_t used = 0;
+  double v = -1;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == text.size() && !text.empty(), "--capacity-factor must be a positive number or 'dropless', got '",
+              text, "'");
+  return v;
+}
+
+void grid_options(cli::Command& c, RunOptions& r) {
+  c.group("Layout");
+  context::add_grid_options(c, r.grid());
+  c.add("sequence-parallel", &r.sequence_parallel(), "Megatron's sequence-parallel variant of the 1D layers");
+  c.add("spec", &r.spec(), "sharding spec: ddp, zero1, zero2, zero3, fsdp, mics:k, hpz:k, or {P,G,O}", "SPEC",
+        parallel::ShardingSpec::parse, [](const parallel::ShardingSpec& s) { return s.to_string(); });
+  c.add("schedule", &r.schedule(), "pipeline schedule", "gpipe|1f1b|interleaved|zb-h1|zb-h2",
+        parallel::parse_schedule_kind, [](parallel::ScheduleKind k) { return parallel::to_string(k); });
+  c.add("microbatches", &r.microbatches(), "pipeline micro-batches per step");
+  c.default_text("microbatches", "2 x --pp");
+  c.add("chunks", &r.chunks(), "pipeline stages per rank (interleaved schedules)");
+  c.add("accumulation", &r.accumulation(), "micro-batches per step without a pipeline");
+  c.add("checkpoint-activations", &r.model().checkpoint_activations(),
+        "recompute each block's activations in backward instead of keeping them");
+  c.add("offload", &r.offload(), "optimizer states and fp32 masters: on the device, in host memory, or on disk",
+        "none|host|disk", parallel::parse_offload, parallel::offload_name);
+  c.add("offload-dir", &r.offload_dir(), "a directory on a local disk, for --offload disk");
+  c.add("offload-params", &r.offload_params(), "parameter shards in host memory between uses (ZeRO-3 offload)");
+}
+
+void model_options(cli::Command& c, RunOptions& r) {
+  models::GPTConfig& m = r.model();
+  c.group("Model");
+  c.add("layers", &m.layers(), "transformer blocks");
+  c.add("heads", &m.heads(), "attention heads");
+  c.add("hidden", &m.hidden(), "hidden size");
+  c.add("seq", &m.context(), "sequence length of a training window, and the model's context");
+  c.add("dropout", &m.dropout(), "dropout probability");
+  c.add("experts", &m.experts(), "experts per mixture-of-experts block; 0: a dense model");
+  c.add("top-k", &m.top_k(), "experts each token is routed to");
+  c.add("moe-every", &m.moe_every(), "every n-th block has experts");
+  c.add("capacity-factor", &m.capacity_factor(), "expert capacity over the mean load", "FLOAT|dropless",
+        parse_capacity, show_capacity);
+  c.add_enum("drop-policy", &m.drop_policy(), "which assignments over capacity are dropped",
+             {"position", "probability"}, {nn::MoEDropPolicy::kPosition, nn::MoEDropPolicy::kProbability});
+  c.add("aux-loss-coef", &m.aux_loss_coef(), "load-balancing loss coefficient");
+  c.add("z-loss-coef", &m.z_loss_coef(), "router z-loss coefficient");
+}
+
+void optimizer_options(cli::Command& c, RunOptions& r) {
+  c.group("Optimization");
+  c.add_enum("precision", &r.precision(), "parameters and gradients in fp32, or bf16 with fp32 masters",
+             {"fp32", "bf16"}, {Precision::kFp32, Precision::kBf16});
+  c.add("optimizer", &r.optimizer(), "the optimizer (sgd with momentum 0.9)", optim::optimizer_names());
+  c.add("lr", &r.lr(), "peak learning rate");
+  c.add("warmup", &r.warmup(), "linear warm-up steps");
+  c.default_text("warmup", "10% of --steps");
+  c.add("decay", &r.decay(), "learning-rate decay after the warm-up", "constant|cosine|linear|polynomial",
+        lr_decay_from_string, lr_decay_name);
+  c.add("min-lr-ratio", &r.min_lr_ratio(), "the decay's end, as a fraction of the peak");
+  c.add("weight-decay", &r.weight_decay(), "decoupled weight decay (not for sgd)");
+  c.add("clip", &r.clip(), "global gradient-norm clipping; 0: none");
+  c.add("seed", &r.grid().seed(), "initial weights, data windows and dropout streams");
+}
+
+void data_options(cli::Command& c, RunOptions& r) {
+  c.group("Data and output");
+  c.add("data", &r.data(), "a text file or directory (bytes), or token ids (.bin)");
+  c.add("data-format", &r.data_format(), "how --data is read; auto: uint16 for .bin, text otherwise",
+        "auto|text|uint16|uint32", parse_token_format, token_format_name);
+  c.add("steps", &r.steps(), "optimizer steps");
+  c.add("batch", &r.batch(), "global batch in sequences");
+  c.add("batch-schedule", &r.batch_schedule(), "elastic: STEP:BATCH,... sets the global batch from each step on");
+  c.add("min-rows-per-replica", &r.min_rows_per_replica(), "elastic: the fewest rows a data replica trains");
+  c.add("save", &r.save(), "checkpoint directory (DIR/step-N, DIR/final)");
+  c.add("save-every", &r.save_every(), "steps between checkpoints; 0: only the final one");
+  c.add("resume", &r.resume(), "a checkpoint to continue from, in any layout");
+  c.add("metrics", &r.metrics(), "JSON lines of every step and evaluation");
+  c.add("consolidate", &r.consolidate(), "the final weights as one safetensors file");
+  c.add("sample", &r.sample(), "tokens sampled from the final model; 0: none");
+  c.add("eval-every", &r.eval_every(), "steps between validation losses; 0: none");
+  c.add("log-every", &r.log_every(), "steps between progress lines");
+}
+
+void planner_options(cli::Command& c, RunOptions& r) {
+  c.group("Planner");
+  c.add_enum("plan", &r.plan(), "auto: the planner chooses the layout; flags: it predicts the flags' layout",
+             {"auto", "flags", "none"}, {PlanMode::kAuto, PlanMode::kFlags, PlanMode::kNone});
+  c.add("cluster", &r.cluster(), "the collectives' rates: a preset (a800-amsp, h100-1024) or a JSON file");
+  c.add("comm-bench", &r.comm_bench(), "the collectives' rates measured by comm_bench --json on these ranks");
+  c.add("memory-gb", &r.memory_gb(), "memory per rank the plan must fit; 0: the cluster's");
+  c.add("overlap", &r.overlap(), "fraction of data-parallel traffic hidden behind compute");
+  c.add("plan-top", &r.plan_top(), "plans --plan auto lists");
+}
+
+}  // namespace
+
+RunOptions::RunOptions() {
+  grid_.seed(1);
+  model_.vocab(256).context(64).layers(4).heads(4).hidden(128);
+}
+
+bool RunOptions::was_given(const std::string& option) const {
+  return std::find(given_.begin(), given_.end(), option) != given_.end();
+}
+
+int64_t warmup_for(int64_t steps) { return steps / 10; }
+
+int64_t RunOptions::warmup_steps() const { return warmup() >= 0 ? warmup() : warmup_for(steps()); }
+
+int64_t RunOptions::pipeline_microbatches() const {
+  return microbatches() > 0 ? microbatches() : 2 * int64_t{grid().pipeline()};
+}
+
+const std::vector<std::string>& planned_options() {
+  static const std::vector<std::string> names = {"dp",       "pp",           "tp",           "tp-mode",
+                                                 "tp-depth", "sp",           "sp-mode",      "ep",
+                                                 "spec",     "schedule",     "microbatches", "chunks",
+                                                 "accumulation", "checkpoint-activations", "offload"};
+  return names;
+}
+
+std::string precision_name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
+
+std::string plan_mode_name(PlanMode m) {
+  return m == PlanMode::kAuto ? "auto" : m == PlanMode::kFlags ? "flags" : "none";
+}
+
+context::Layout RunOptions::layout(bool row_keyed_dropout) const {
+  return context::Layout(grid()).sequence_parallel(sequence_parallel()).row_keyed_dropout(row_keyed_dropout);
+}
+
+TrainerOptions RunOptions::trainer_options() const {
+  return TrainerOptions()
+      .spec(spec())
+      .pipeline(parallel::PipelineOptions()
+                    .schedule(schedule())
+                    .microbatches(static_cast<int>(pipeline_microbatches()))
+                    .chunks(chunks()))
+      .accumulation(accumulation())
+      .offload(offload())
+      .disk(parallel::DiskOffloadOptions().dir(offload_dir()))
+      .offload_params(offload_params())
+      .clip_grad_norm(clip())
+      .lr(LrSchedule()
+              .peak(lr())
+              .warmup_steps(warmup_steps())
+              .total_steps(steps())
+              .decay(decay())
+              .min_ratio(min_lr_ratio()));
+}
+
+void RunOptions::check(int world_size) const {
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"steps", steps()},
+                                    {"batch", batch()},
+                                    {"seq", seq()},
+                                    {"layers", model().layers()},
+                                    {"heads", model().heads()},
+                                    {"hidden", model().hidden()},
+                                    {"accumulation", accumulation()},
+                                    {"log-every", log_every()},
+                                    {"min-rows-per-replica", min_rows_per_replica()}})
+    TORCH_CHECK(value >= 1, "--", name, " must be >= 1, got ", value);
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"sample", sample()},
+                                    {"eval-every", eval_every()},
+                                    {"save-every", save_every()}})
+    TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
+  TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());
+  TORCH_CHECK((offload() == Offload::kDisk) == !offload_dir().empty(),
+              offload() == Offload::kDisk ? "--offload disk needs --offload-dir DIR (a directory on a local disk)"
+                                          : "--offload-dir is only read with --offload disk");
+  TORCH_CHECK(save_every() == 0 || !save().empty(), "--save-every ", save_every(),
+              " needs --save DIR, where the checkpoints go");
+  if (elastic()) {
+    TORCH_CHECK(!was_given("dp"), "--dp ", grid().data(), " with --batch-schedule: the schedule chooses the data size "
+                "(the largest that gives every replica --min-rows-per-replica rows); leave --dp out");
+    TORCH_CHECK(!was_given("batch"), "--batch ", batch(), " with --batch-schedule: the schedule sets the batch of "
+                "every step; give one of the two");
+    BatchSchedule::parse(batch_schedule());
+  } else {
+    TORCH_CHECK(!was_given("min-rows-per-replica"), "--min-rows-per-replica is only read with --batch-schedule");
+  }
+  for (const char* k : {"cluster", "comm-bench", "memory-gb", "overlap", "plan-top"})
+    TORCH_CHECK(!was_given(k) || plan() != PlanMode::kNone, "--", k, " is only read with --plan auto|flags");
+  TORCH_CHECK(!was_given("plan-top") || plan() == PlanMode::kAuto, "--plan-top is only read with --plan auto");
+  if (plan() == PlanMode::kNone) return;
+  TORCH_CHECK(!elastic(), "--plan with --batch-schedule: the planner plans one fixed layout; drop one of them");
+  TORCH_CHECK(!sequence_parallel(), "--plan with --sequence-parallel: the planner does not model Megatron's "
+              "sequence-parallel variant yet; drop one of them");
+  TORCH_CHECK(resume().empty() || plan() == PlanMode::kFlags, "--plan auto with --resume: the plan could differ "
+              "from the checkpoint's layout; give the layout flags and --plan flags");
+  TORCH_CHECK(!comm_bench().empty() || !cluster().empty(), "--plan needs the collectives' rates: --comm-bench FILE "
+              "(mpirun -np ", world_size, " comm_bench --json > FILE, on these ranks) or --cluster PRESET|FILE.json");
+  TORCH_CHECK(overlap() >= 0 && overlap() <= 1, "--overlap is a fraction in [0, 1], got ", overlap());
+  if (plan() == PlanMode::kAuto)
+    for (const auto& k : planned_options())
+      TORCH_CHECK(!was_given(k), "--", k, " with --plan auto: the planner chooses it; drop --", k,
+                  " or use --plan flags to have your layout predicted");
+}
+
+cli::Command run_command(const std::string& name, const std::string& summary, RunOptions& run) {
+  cli::Command c(name, summary);
+  grid_options(c, run);
+  model_options(c, run);
+  optimizer_options(c, run);
+  data_options(c, run);
+  planner_options(c, run);
+  c.on_parsed([&run](const cli::Command& parsed) { run.given(parsed.given()); });
+  return c;
+}
+
+}  // namespace train
+}  // namespace tessera
