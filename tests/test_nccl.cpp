@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 #include "tessera/comm/nccl_check.h"
+#include "tessera/config.h"  // TESSERA_HAVE_C10_CUDA
 #include "tessera/comm/nccl_communicator.h"
 
 #include <mpi.h>
@@ -199,6 +200,18 @@ std::string trace(c10::ScalarType dtype, bool async) {
 TEST(NcclCommunicator, CreateFailsOnEveryRankForABadDevice) {
   // Runs without a GPU too: the device check is agreed on over MPI first.
   EXPECT_TRUE(test::throws_with([&] { NcclCommunicator::create(MPI_COMM_WORLD, -1, "bad"); }, "failed on rank"));
+}
+
+// The backend's sources see the build's configuration: with a LibTorch
+// that has CUDA, NCCL work is ordered against LibTorch's current stream and
+// the allocator learns which stream uses a tensor. (Without config.h in the
+// backend's translation unit this compiled out silently.) Runs without a GPU.
+TEST(NcclCommunicator, OrdersWithLibTorchStreamsWhereLibTorchHasCuda) {
+#ifdef TESSERA_HAVE_C10_CUDA
+  EXPECT_TRUE(NcclCommunicator::orders_with_torch_streams());
+#else
+  EXPECT_FALSE(NcclCommunicator::orders_with_torch_streams());
+#endif
 }
 
 TEST(NcclCommunicator, CreateFailsEverywhereWhenOneRankFails) {

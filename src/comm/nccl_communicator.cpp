@@ -144,6 +144,8 @@ void grouped(const std::function<void()>& issue) {
 
 }  // namespace
 
+bool NcclCommunicator::orders_with_torch_streams() { return detail::uses_torch_streams(); }
+
 std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, int cuda_device,
                                                            const std::string& name, std::chrono::milliseconds timeout,
                                                            std::shared_ptr<detail::AbortState> abort) {

@@ -1,5 +1,6 @@
 #include "nccl_internal.h"
 
+#include "tessera/config.h"  // TESSERA_HAVE_C10_CUDA: without it the stream ordering below compiles out
 #include "tessera/core/logging.h"
 
 #ifdef TESSERA_HAVE_C10_CUDA
@@ -186,6 +187,14 @@ bool NcclWork::query_locked() {
   }
   TESSERA_CUDA_CHECK(result);
   return false;
+}
+
+bool uses_torch_streams() {
+#ifdef TESSERA_HAVE_C10_CUDA
+  return true;
+#else
+  return false;
+#endif
 }
 
 cudaStream_t current_compute_stream(int device) {

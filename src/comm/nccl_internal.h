@@ -187,6 +187,10 @@ class NcclWork final : public Work {
   bool waited_ = false;
 };
 
+// Whether the functions below use LibTorch's CUDA streams and allocator
+// (this file compiled with TESSERA_HAVE_C10_CUDA).
+bool uses_torch_streams();
+
 // The calling thread's current stream on `device`: LibTorch's current CUDA
 // stream where LibTorch has CUDA, else the legacy default stream.
 cudaStream_t current_compute_stream(int device);

@@ -38,6 +38,12 @@ class NcclCommunicator final : public Communicator {
                                                   std::chrono::milliseconds timeout = timeout_from_env(),
                                                   std::shared_ptr<detail::AbortState> abort = nullptr);
 
+  // Whether this build orders NCCL work against LibTorch's current CUDA
+  // stream and tells LibTorch's allocator which stream uses a tensor (a
+  // LibTorch with CUDA); false: the legacy default stream, and no CUDA
+  // tensor can exist anyway.
+  static bool orders_with_torch_streams();
+
   // Not collective for MPI, but ncclCommDestroy may wait for peers to flush
   // outstanding operations: destroy communicators on all ranks alike.
   ~NcclCommunicator() override;
