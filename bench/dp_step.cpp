@@ -8,7 +8,7 @@
 // Prints one JSON object per spec.
 //
 //   mpirun -np 4 dp_step --hidden 1024 --specs ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2
-//   mpirun -np 2 dp_step --device cuda --backend mpi --offload optimizer
+//   mpirun -np 2 dp_step --device cuda --backend mpi --offload host [--offload-params]
 //
 // Every option and its default: dp_step --help (docs/cli.md). Every rank is
 // a data rank, so the grid's other dimensions must be 1.
@@ -47,7 +47,9 @@ struct Args {
   int64_t hidden = 1024, layers = 4, batch = 64, bucket_mb = 25;
   int64_t steps = 5, warmup = 2, rounds = 3;
   std::string specs = "ddp,zero1,zero2,zero3,hpz:2,{R,P(2),S},mics:2";
-  std::string device = "cpu", backend = "auto", offload = "none";
+  std::string device = "cpu", backend = "auto";
+  tessera::parallel::Offload offload = tessera::parallel::Offload::kNone;
+  bool offload_params = false;
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
@@ -81,8 +83,15 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
   c.group("Sharding");
   c.add("specs", &a.specs, "sharding specs to time, comma-separated (commas inside braces belong to the spec)");
   c.add("bucket-mb", &a.bucket_mb, "bucket size in MiB");
-  c.add("offload", &a.offload, "what lives in host memory: nothing, the optimizer states, or the parameters too",
-        {"none", "optimizer", "params"});
+  c.add("offload", &a.offload, "optimizer states and masters: with the parameters, or in host memory", "none|host",
+        [](const std::string& t) {
+          const auto o = tessera::parallel::parse_offload(t);
+          TORCH_CHECK(o != tessera::parallel::Offload::kDisk, "dp_step measures device memory; --offload disk is "
+                      "bench/offload_step's");
+          return o;
+        },
+        tessera::parallel::offload_name);
+  c.add("offload-params", &a.offload_params, "parameter shards in host memory too (needs --offload host)");
   c.group("Grid");
   tessera::context::add_grid_options(c, grid);
   c.add("seed", &grid.seed(), "base of every mode's seed");
@@ -153,10 +162,6 @@ void comm_only_step(ShardedModule& m) {
 }
 
 int run(const Args& a, const tessera::context::ParallelConfig& grid) {
-  TORCH_CHECK(a.offload == "none" || a.offload == "optimizer" || a.offload == "params",
-              "--offload must be none, optimizer or params, got '", a.offload, "'");
-  TORCH_CHECK(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
-              "--backend must be auto, mpi or nccl, got '", a.backend, "'");
   const std::vector<std::string> specs = split_specs(a.specs);
   TORCH_CHECK(!specs.empty(), "--specs is empty; give at least one sharding spec");
   c10::Device device(a.device);
@@ -200,9 +205,8 @@ int run(const Args& a, const tessera::context::ParallelConfig& grid) {
   for (const std::string& text : specs) {
     const ShardingSpec spec = ShardingSpec::parse(text);
     const auto options =
-        ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20).offload_params(a.offload == "params");
-    const auto opt_options = ShardedOptimizerOptions().offload(a.offload != "none" ? tessera::parallel::Offload::kHost
-                                                                                   : tessera::parallel::Offload::kNone);
+        ShardedModuleOptions().spec(spec).bucket_bytes(a.bucket_mb << 20).offload_params(a.offload_params);
+    const auto opt_options = ShardedOptimizerOptions().offload(a.offload);
     sync(device);
     const int64_t device_before = device_bytes(device).current;
     auto net = mlp(a, device);
@@ -276,7 +280,8 @@ int run(const Args& a, const tessera::context::ParallelConfig& grid) {
           "\"step_no_overlap_ms\": {:.3f}, "
           "\"fwd_bwd_ms\": {:.3f}, \"optimizer_ms\": {:.3f}, \"raw_mpi_allreduce_ms\": {:.3f}, "
           "\"device_bytes_after_step\": {}, \"device_peak_bytes\": {}, \"buckets\": {}}}\n",
-          text, spec.to_string(), device.str(), world->backend(), a.offload, dp, psi, step_ms, bus_bytes, peak,
+          text, spec.to_string(), device.str(), world->backend(),
+          tessera::parallel::offload_name(a.offload) + (a.offload_params ? "+params" : ""), dp, psi, step_ms, bus_bytes, peak,
           after_step, formula, compute_ms, comm_ms, overlap, no_overlap_ms, fwd_bwd_ms, opt_ms, raw_allreduce_ms,
           device_after_step, device_peak, sharded->num_buckets());
       std::fflush(stdout);

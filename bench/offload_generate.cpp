@@ -121,6 +121,7 @@ tessera::cli::Command command(Args& a) {
   c.add("dir", &a.dir, "directory of the weights file, the outputs and the logits");
   c.add("keep", &a.keep, "1: keep --dir afterwards; 0: remove it");
   c.add("generate", &a.generate, "the tessera_generate binary");
+  c.default_text("generate", "this build's tessera_generate");
   return c;
 }
 

@@ -36,7 +36,8 @@ using tessera::parallel::ShardingSpec;
 
 struct Args {
   int64_t hidden = 4096, layers = 6, batch = 8, steps = 5, tile_mb = 16, buffers = 3, direct = 0;
-  std::string offload = "none", dir = "/tmp", spec = "zero2";
+  tessera::parallel::Offload offload = tessera::parallel::Offload::kNone;
+  std::string dir = "/tmp", spec = "zero2";
 };
 
 tessera::cli::Command command(Args& a) {
@@ -44,7 +45,8 @@ tessera::cli::Command command(Args& a) {
                           "one data-parallel AdamW step with the optimizer states in memory, in CPU memory or on disk: "
                           "time and memory");
   c.group("Offload");
-  c.add("offload", &a.offload, "where the optimizer states and masters live", {"none", "cpu", "disk"});
+  c.add("offload", &a.offload, "where the optimizer states and masters live", "none|host|disk",
+        tessera::parallel::parse_offload, tessera::parallel::offload_name);
   c.add("dir", &a.dir, "directory of the state files (--offload disk)");
   c.add("direct", &a.direct, "1: the state files with O_DIRECT, past the page cache; 0: buffered (--offload disk)");
   c.add("tile-mb", &a.tile_mb, "master bytes per tile, the unit read, stepped and written, in MiB (--offload disk)");
@@ -67,11 +69,9 @@ int64_t max_over_ranks(int64_t v) {
 int run(const Args& a) {
   const int64_t hidden = a.hidden, layers = a.layers, batch = a.batch, steps = a.steps, tile_mb = a.tile_mb,
                 buffers = a.buffers, direct = a.direct;
-  const std::string& offload = a.offload;
+  const tessera::parallel::Offload offload = a.offload;
   const std::string& dir = a.dir;
   const std::string& spec = a.spec;
-  TORCH_CHECK(offload == "none" || offload == "cpu" || offload == "disk", "--offload must be none, cpu or disk, got '",
-              offload, "'");
   auto& memory = tessera::test::CountingAllocator::instance();
   tessera::test::CountingScope counting;
   auto world = tessera::comm::make_world_communicator();
@@ -88,10 +88,8 @@ int run(const Args& a) {
   for (const auto& p : net->parameters()) psi += p.numel();
   auto sharded =
       std::make_shared<ShardedModule>(net.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(spec)));
-  auto options = ShardedOptimizerOptions().offload(offload == "cpu"    ? tessera::parallel::Offload::kHost
-                                                   : offload == "disk" ? tessera::parallel::Offload::kDisk
-                                                                       : tessera::parallel::Offload::kNone);
-  if (offload == "disk")
+  auto options = ShardedOptimizerOptions().offload(offload);
+  if (offload == tessera::parallel::Offload::kDisk)
     options.disk(DiskOffloadOptions()
                      .dir(dir)
                      .tile_bytes(tile_mb << 20)
@@ -128,7 +126,7 @@ int run(const Args& a) {
         "\"step_ms\": {:.1f}, \"rss_bytes\": {}, \"rss_peak_bytes\": {}, \"counted_live_bytes\": {}, "
         "\"counted_peak_bytes\": {}, \"param_bytes\": {}, \"grad_bytes\": {}, \"optim_bytes_in_memory\": {}, "
         "\"optim_bytes_on_disk\": {}, \"params_checksum\": {}}}\n",
-        offload, direct, spec, world->size(), psi, times.empty() ? 0.0 : times[times.size() / 2], rss, hwm, live,
+        tessera::parallel::offload_name(offload), direct, spec, world->size(), psi, times.empty() ? 0.0 : times[times.size() / 2], rss, hwm, live,
         peak_live, m.params, m.grads, m.optim, opt.disk_bytes(), checksum);
   return 0;
 }

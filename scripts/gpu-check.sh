@@ -8,6 +8,10 @@
 #                                      GoogleTest packages into DIR (.gpu-debs)
 #   scripts/gpu-check.sh run [DIR]     there: unpack DIR into a prefix, build,
 #                                      run; logs and JSON into $OUT (./gpu-out)
+#   scripts/gpu-check.sh build [DIR]   there: only unpack and build (a first
+#                                      build takes about 10 minutes on 16 cores)
+#   scripts/gpu-check.sh test [DIR]    there: only run, on a machine where
+#                                      `build` ran (the build directory kept)
 #
 # The packages are unpacked into /opt/tessera-deps, not into /: Open MPI is
 # relocated with OPAL_PREFIX, so nothing of the machine's own is replaced.
@@ -23,14 +27,14 @@ if [ "$mode" = fetch ]; then
   mkdir -p "$debs" && cd "$debs" && apt-get download "${packages[@]}"
   exit $?
 fi
-[ "$mode" = run ] || { echo "usage: $0 fetch|run [DIR]" >&2; exit 2; }
+case "$mode" in run|build|test) ;; *) echo "usage: $0 fetch|run|build|test [DIR]" >&2; exit 2;; esac
 
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 prefix=/opt/tessera-deps
 lib=$prefix/usr/lib/x86_64-linux-gnu
 for f in "$debs"/*.deb; do dpkg -x "$f" "$prefix"; done
-export OPAL_PREFIX=$prefix/usr PATH=$prefix/usr/bin:$PATH
+export OPAL_PREFIX=$prefix/usr PATH=$prefix/usr/bin:$PATH:/usr/local/cuda/bin
 export LD_LIBRARY_PATH=$lib/openmpi/lib:$lib:$lib/pmix2/lib:${LD_LIBRARY_PATH:-}
 export PMIX_INSTALL_PREFIX=$lib/pmix2 PMIX_MCA_mca_base_component_path=$lib/pmix2/lib/pmix
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -47,6 +51,7 @@ mpirun=(mpirun.openmpi --bind-to none)
 torch_cmake=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 build=build-gpu
 jobs=$(nproc)
+if [ "$mode" != test ]; then
 {
   cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_cmake;$prefix/usr;$lib/cmake" \
@@ -56,6 +61,8 @@ jobs=$(nproc)
     time cmake --build $build -j "$jobs" --target test_nccl test_data_parallel dp_step gpt_step
 } > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 tail -3 "$out/build.log"
+fi
+[ "$mode" = build ] && exit 0
 
 # The NCCL backend: one GPU, so one rank (NCCL refuses two ranks on one device).
 timeout 120 "${mpirun[@]}" -np 1 $build/tests/test_nccl > "$out/test_nccl.txt" 2>&1
@@ -71,7 +78,7 @@ done
 
 # Model-state memory on the device, per spec and offload mode, at 2 ranks.
 bench=(--hidden 2048 --layers 4 --batch 64 --steps 2 --warmup 1 --rounds 1 --device cuda)
-for off in none optimizer params; do
+for off in "none" "host" "host --offload-params"; do
   timeout 120 "${mpirun[@]}" -np 2 $build/bench/dp_step "${bench[@]}" --backend mpi --offload $off \
     --specs ddp,zero1,zero2,zero3 >> "$out/dp_step_cuda.jsonl" 2>> "$out/dp_step_cuda.err"
   echo "dp_step offload=$off rc=$?"
