@@ -1,5 +1,5 @@
 #pragma once
-// What the 2D/2.5D and 3D layer factories share (src/nn/layer_factory_2d.cpp,
+// What the 2D/2.5D and 3D layer factories share (src/nn/layer_factory_2d_2p5d.cpp,
 // layer_factory_3d.cpp). In both, the block layout cuts the hidden dimension
 // over one group and the batch over the others; layer norm and position
 // embedding are the 2D layers over (hidden group, the two batch-side groups);

@@ -192,6 +192,8 @@ void RunOptions::check(int world_size) const {
   TORCH_CHECK((offload() == Offload::kDisk) == !offload_dir().empty(),
               offload() == Offload::kDisk ? "--offload disk needs --offload-dir DIR (a directory on a local disk)"
                                           : "--offload-dir is only read with --offload disk");
+  TORCH_CHECK(!offload_params() || offload() != Offload::kNone, "--offload-params keeps parameter shards in host "
+              "memory, where the optimizer must step too: add --offload host (or disk)");
   TORCH_CHECK(save_every() == 0 || !save().empty(), "--save-every ", save_every(),
               " needs --save DIR, where the checkpoints go");
   if (elastic()) {
