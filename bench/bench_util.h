@@ -1,6 +1,8 @@
 #pragma once
 // Shared by the benchmarks: the timing loop and integer lists. Their main()
 // is examples/example_main.h's run_command, their options a cli::Command.
+#include <tessera/core/cli.h>
+
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <mpi.h>
@@ -16,6 +18,14 @@ namespace bench {
 
 inline double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// --steps, --warmup, --rounds: the timed loop of time_ms below.
+inline void add_timing_options(tessera::cli::Command& c, int64_t* steps, int64_t* warmup, int64_t* rounds) {
+  c.group("Timing");
+  c.add("steps", steps, "timed steps per round");
+  c.add("warmup", warmup, "untimed steps before the rounds");
+  c.add("rounds", rounds, "timed rounds; the median is reported");
 }
 
 struct Timing {

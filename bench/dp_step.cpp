@@ -98,10 +98,7 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
   c.group("Device");
   c.add("device", &a.device, "cpu, cuda (this rank's local GPU) or cuda:N");
   c.add("backend", &a.backend, "communication backend", {"auto", "mpi", "nccl"});
-  c.group("Timing");
-  c.add("steps", &a.steps, "timed steps per round");
-  c.add("warmup", &a.warmup, "untimed steps before the rounds");
-  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  bench::add_timing_options(c, &a.steps, &a.warmup, &a.rounds);
   return c;
 }
 

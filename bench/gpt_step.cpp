@@ -90,10 +90,7 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
         {"cpu", "cuda"});
   c.add("dtype", &a.dtype, "parameters and activations of both models", {"fp32", "bf16"});
   c.add("matmul", &a.matmul, "side N of the N x N matmul that measures the peak; 0: 1024 on CPU, 8192 on CUDA");
-  c.group("Timing");
-  c.add("steps", &a.steps, "timed steps per round");
-  c.add("warmup", &a.warmup, "untimed steps before the rounds");
-  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  bench::add_timing_options(c, &a.steps, &a.warmup, &a.rounds);
   return c;
 }
 

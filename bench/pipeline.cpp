@@ -53,10 +53,7 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
   tessera::context::add_grid_options(c, grid);
   c.default_text("pp", "ranks / --tp");
   c.add("seed", &grid.seed(), "base of every mode's seed");
-  c.group("Timing");
-  c.add("steps", &a.steps, "timed steps per round");
-  c.add("warmup", &a.warmup, "untimed steps before the rounds");
-  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  bench::add_timing_options(c, &a.steps, &a.warmup, &a.rounds);
   return c;
 }
 

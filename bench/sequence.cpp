@@ -63,10 +63,7 @@ tessera::cli::Command command(Args& a) {
   c.add("heads", &a.heads, "attention heads");
   c.add("batch", &a.batch, "sequences per step");
   c.add("vocab", &a.vocab, "vocabulary");
-  c.group("Timing");
-  c.add("steps", &a.steps, "timed steps per round");
-  c.add("warmup", &a.warmup, "untimed steps before the rounds");
-  c.add("rounds", &a.rounds, "timed rounds; the median is reported");
+  bench::add_timing_options(c, &a.steps, &a.warmup, &a.rounds);
   return c;
 }
 
