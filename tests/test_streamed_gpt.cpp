@@ -1,4 +1,4 @@
-// Streamed inference (train/streamed_gpt.h) against the serial reference GPT
+// Streamed inference (infer/streamed_gpt.h) against the serial reference GPT
 // (reference_gpt.h): logits at every position, through the KV cache, from a
 // safetensors file and from a checkpoint cut into region and flat pieces;
 // weights in memory, streamed with prefetch and without; tensor-parallel

@@ -2,7 +2,7 @@
 // StoredWeights: a model's weights on disk, read a box at a time without
 // loading the file whole: a safetensors file (tessera_consolidate's, or any
 // with these names), or a distributed checkpoint directory whose pieces lie
-// in several rank files. Streamed inference (train/streamed_gpt.h) reads
+// in several rank files. Streamed inference (infer/streamed_gpt.h) reads
 // one layer's weights, or this rank's shard of them, through it.
 //
 // Note [Reads in extents]

@@ -6,7 +6,7 @@
 // them all, every weight is read once and stays in memory. Optionally
 // tensor-parallel over a group: each rank reads and computes its heads, its
 // MLP columns and its vocabulary rows only. A KV cache makes each
-// generated token one pass over the layers (train/generation.h).
+// generated token one pass over the layers (infer/generation.h).
 //
 //   auto weights = std::make_shared<StoredWeights>("gpt.safetensors");
 //   StreamedGPT model(weights, StreamedGPTOptions().max_memory(512 << 20).max_length(64));
