@@ -1,5 +1,6 @@
 #include "tessera/train/gpt_run.h"
 
+#include "tessera/context/hosts.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/optim/by_name.h"
 #include "tessera/train/checkpoint.h"
@@ -59,6 +60,13 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
       config_(models::GPTConfig(run_.model()).vocab(vocab)),
       schedule_(run_.elastic() ? BatchSchedule::parse(run_.batch_schedule()) : BatchSchedule::constant(run_.batch())) {
   run_.check(world_->size());
+  // Note [Final weights without --save]: a temporary directory rank 0 reads.
+  if (run_.save().empty() && (run_.sample() > 0 || !run_.consolidate().empty())) {
+    const int hosts = context::map_hosts(*world_).hosts();
+    TORCH_CHECK(hosts == 1, "--sample and --consolidate read the final weights on rank 0; without --save they pass "
+                "through a temporary directory, but the ranks span ", hosts, " hosts, whose temporary directories "
+                "rank 0 cannot read: give --save DIR on a filesystem every host shares, or --sample 0");
+  }
   // Elastic dropout is keyed by the row of the global batch, so that the
   // masks do not depend on the data size (Note [Row-keyed dropout]).
   const bool row_keyed = run_.elastic() && config_.dropout() > 0;
@@ -130,8 +138,6 @@ std::string GPTRun::layout_name() const {
   return s;
 }
 
-int GPTRun::active_ranks() const { return elastic_ ? elastic_->active_size() : world_->size(); }
-
 int GPTRun::data_size() const { return elastic_ ? elastic_->data_size() : ctx_->config().data(); }
 
 std::string GPTRun::describe() const {
@@ -157,6 +163,12 @@ void GPTRun::finish() {
   if (elastic_) elastic_->finish();
 }
 
+// Note [Final weights without --save]
+// --consolidate and --sample need the final weights whole on rank 0. With
+// --save they are DIR/final; without it, a checkpoint in a directory rank 0
+// makes under $TMPDIR, which every rank writes its pieces into and rank 0
+// removes once it has read them. That needs one filesystem: ranks on several
+// hosts are refused at the start.
 std::string GPTRun::save_final() {
   std::string dir;
   if (!run_.save().empty()) {

@@ -143,16 +143,6 @@ const std::vector<std::string>& planned_options() {
   return names;
 }
 
-std::string precision_name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
-
-std::string plan_mode_name(PlanMode m) {
-  return m == PlanMode::kAuto ? "auto" : m == PlanMode::kFlags ? "flags" : "none";
-}
-
-context::Layout RunOptions::layout(bool row_keyed_dropout) const {
-  return context::Layout(grid()).sequence_parallel(sequence_parallel()).row_keyed_dropout(row_keyed_dropout);
-}
-
 TrainerOptions RunOptions::trainer_options() const {
   return TrainerOptions()
       .spec(spec())

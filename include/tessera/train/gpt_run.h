@@ -46,7 +46,6 @@ class GPTRun {
   GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab);
   ~GPTRun();
 
-  const RunOptions& options() const { return run_; }
   const models::GPTConfig& config() const { return config_; }
   // The step the run starts at: 0, or the checkpoint's.
   int64_t start_step() const { return start_; }
@@ -69,8 +68,7 @@ class GPTRun {
   std::string describe() const;
   // Parameters of the whole model (full shapes).
   int64_t parameters() const { return parameters_; }
-  // Ranks and data size of the current layout.
-  int active_ranks() const;
+  // The data size of the current layout.
   int data_size() const;
 
   // The checkpoint's metadata of `step`: the step and what tessera_generate

@@ -9,7 +9,6 @@
 //   cli::Command cmd = train::run_command("my_trainer", "What it trains.", run);
 //   if (!cmd.parse(argc, argv).run) ...;     // --help, --version: print its text
 //   run.check(world_size);                   // the rules between options, on every rank alike
-#include "tessera/context/layout.h"
 #include "tessera/context/parallel_config.h"
 #include "tessera/core/cli.h"
 #include "tessera/models/gpt.h"
@@ -104,8 +103,6 @@ struct RunOptions {
   void check(int world_size) const;
   // The trainer's options of this run.
   TrainerOptions trainer_options() const;
-  // The layout's description for the layer factory and the planner.
-  context::Layout layout(bool row_keyed_dropout = false) const;
 };
 
 // Warm-up when the run does not say: a tenth of the steps.
@@ -117,10 +114,6 @@ const std::vector<std::string>& planned_options();
 // The option table of a training command over `run`, bound to its fields
 // (`run` must outlive the command); parsing also records run.given().
 cli::Command run_command(const std::string& name, const std::string& summary, RunOptions& run);
-
-// The names of the enums above, for messages and progress lines.
-std::string precision_name(Precision p);
-std::string plan_mode_name(PlanMode m);
 
 }  // namespace train
 }  // namespace tessera
