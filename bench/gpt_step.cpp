@@ -20,14 +20,20 @@
 // same device (N = --matmul, default 1024 on CPU, 8192 on CUDA), timed on
 // all ranks at once, as the steps are.
 //
+// --arch llama times the Llama family's shape instead (RMSNorm, rotary
+// positions, grouped-query attention with --kv-heads, SwiGLU of --ffn, an
+// untied head) against bench/baseline_llama.h.
+//
 // Note [Model FLOPs]
 // Per step, forward and backward (3x the forward) of the matrix products a
-// token passes through: per layer 24 h^2 (c_attn 6 h^2, attention's
-// projection 2 h^2, the MLP 16 h^2) and 4 s h for the scores and the
-// weighted values over the whole sequence (the causal half is not taken
-// off), and 2 h V for the tied head. Embeddings, norms, softmax and the
-// optimizer are not counted. Per rank: divided by the tensor size.
+// token passes through: per layer 2 (h·a + 2 h·k + a·h + m h f) with a the
+// attention width (heads · head_dim), k the key/value width, m the MLP's
+// matrices (GPT: 24 h^2 in all), and 4 s a for the scores and the weighted
+// values over the whole sequence (the causal half is not taken off), and
+// 2 h V for the head. Embeddings, norms, softmax and the optimizer are not
+// counted. Per rank: divided by the tensor size.
 #include "baseline_gpt.h"
+#include "baseline_llama.h"
 #include "bench_util.h"
 #include "example_main.h"
 
@@ -45,16 +51,23 @@ namespace {
 
 struct Args {
   int64_t layers = 4, hidden = 256, heads = 8, seq = 128, batch = 8, vocab = 8192;
+  std::string arch = "gpt";
+  int64_t kv_heads = 0, ffn = 0;  // 0: the arch's default (llama: heads / 4, 3.5 h rounded up to 64)
   int64_t steps = 4, warmup = 2, rounds = 3;
   int64_t matmul = 0;  // 0: 1024 on CPU, 8192 on CUDA
   std::string device = "cpu", dtype = "fp32";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
+bool llama(const Args& a) { return a.arch == "llama"; }
+
 // Note [Model FLOPs]
 double step_flops(const Args& a) {
   const double h = double(a.hidden), tokens = double(a.batch * a.seq);
-  const double per_token = double(a.layers) * (24 * h * h + 4 * double(a.seq) * h) + 2 * h * double(a.vocab);
+  const double k = llama(a) ? h / double(a.heads) * double(a.kv_heads) : h, m = llama(a) ? 3 : 2;
+  const double f = double(a.ffn);
+  const double per_token =
+      double(a.layers) * (2 * (2 * h * h + 2 * h * k + m * h * f) + 4 * double(a.seq) * h) + 2 * h * double(a.vocab);
   return 3 * tokens * per_token;
 }
 
@@ -78,6 +91,9 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
   c.add("layers", &a.layers, "GPT blocks");
   c.add("hidden", &a.hidden, "hidden size");
   c.add("heads", &a.heads, "attention heads");
+  c.add("arch", &a.arch, "GPT-2's architecture, or the Llama family's", {"gpt", "llama"});
+  c.add("kv-heads", &a.kv_heads, "key/value heads of --arch llama; 0: heads / 4");
+  c.add("ffn", &a.ffn, "MLP width; 0: 4 x hidden (gpt), 3.5 x hidden rounded up to 64 (llama)");
   c.add("seq", &a.seq, "tokens per sequence");
   c.add("batch", &a.batch, "sequences per step");
   c.add("vocab", &a.vocab, "vocabulary");
@@ -99,6 +115,10 @@ void check(Args& a) {
   TORCH_CHECK(a.device == "cpu" || torch::cuda::is_available(),
               "gpt_step: --device cuda, but this LibTorch sees no CUDA device");
   if (a.matmul == 0) a.matmul = a.device == "cuda" ? 8192 : 1024;
+  TORCH_CHECK(llama(a) || (a.kv_heads == 0 && a.ffn == 0), "gpt_step: --kv-heads and --ffn are options of --arch "
+              "llama; GPT-2's are heads and 4 x hidden");
+  if (a.kv_heads == 0) a.kv_heads = llama(a) ? std::max<int64_t>(1, a.heads / 4) : a.heads;
+  if (a.ffn == 0) a.ffn = llama(a) ? (a.hidden * 7 / 2 + 63) / 64 * 64 : 4 * a.hidden;
   TORCH_CHECK(a.matmul > 0, "gpt_step: --matmul must be positive, got ", a.matmul);
 }
 
@@ -115,6 +135,10 @@ int run(Args& a, tessera::context::ParallelConfig grid, const tessera::cli::Comm
               "bench/pipeline time the other dimensions)");
   const int n = c.tensor();
   tessera::models::GPTConfig config;
+  // The baseline's rotation has no frequency scaling.
+  if (llama(a))
+    config = tessera::models::GPTConfig::preset("llama-tiny").rope_scaling(c10::nullopt).kv_heads(a.kv_heads).ffn(
+        a.ffn);
   config.vocab(a.vocab);
   config.context(a.seq);
   config.layers(a.layers);
@@ -150,15 +174,26 @@ int run(Args& a, tessera::context::ParallelConfig grid, const tessera::cli::Comm
       opt.step();
       sync();
     };
-    baseline::GPT base(a.vocab, a.seq, a.layers, a.heads, a.hidden);
-    base->load(full);
+    std::shared_ptr<torch::nn::Module> base;
+    std::function<torch::Tensor()> base_loss;
+    if (llama(a)) {
+      baseline::Llama l(baseline::LlamaShape{a.vocab, a.layers, a.heads, a.kv_heads, a.hidden, a.ffn});
+      l->load(full);
+      base = l.ptr();
+      base_loss = [l, &ids, &targets]() mutable { return l->loss(ids, targets); };
+    } else {
+      baseline::GPT g(a.vocab, a.seq, a.layers, a.heads, a.hidden);
+      g->load(full);
+      base = g.ptr();
+      base_loss = [g, &ids, &targets]() mutable { return g->loss(ids, targets); };
+    }
     base->to(device, dtype);
-    const double base_first = base->loss(ids, targets).item<double>();
+    const double base_first = base_loss().item<double>();
     const double first = gpt->loss(gpt->forward(ids), targets).item<double>();
     torch::optim::AdamW base_opt(base->parameters(), torch::optim::AdamWOptions(1e-4));
     auto base_step = [&] {
       base_opt.zero_grad();
-      torch::Tensor loss = base->loss(ids, targets);
+      torch::Tensor loss = base_loss();
       loss.backward();
       base_opt.step();
       sync();
@@ -172,12 +207,13 @@ int run(Args& a, tessera::context::ParallelConfig grid, const tessera::cli::Comm
     const double step_ms = std::min(ours[0], ours[1]), base_ms = std::min(theirs[0], theirs[1]);
     if (rank == 0) {
       fmt::print(
-          "{{\"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", \"sp_variant\": {}, \"step_ms\": {:.3f}, "
+          "{{\"arch\": \"{}\", \"config\": \"L{}-h{}-a{}-k{}-f{}-s{}-b{}-v{}\", \"tp\": {}, \"tp_mode\": \"{}\", "
+          "\"sp_variant\": {}, \"step_ms\": {:.3f}, "
           "\"tokens_per_s\": {:.1f}, \"baseline_step_ms\": {:.3f}, \"ratio\": {:.4f}, "
           "\"initial_loss\": {:.6f}, \"baseline_initial_loss\": {:.6f}, \"device\": \"{}\", \"dtype\": \"{}\", "
           "\"matmul_n\": {}, \"matmul_peak_tflops\": {:.4f}, \"model_tflop_per_step_per_rank\": {:.5f}, "
           "\"mfu\": {:.4f}, \"baseline_mfu\": {:.4f}}}\n",
-          a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n,
+          a.arch, a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.seq, a.batch, a.vocab, n,
           tessera::context::tensor_mode_name(c.tensor_mode()), sp ? "true" : "false", step_ms,
           a.batch * a.seq / (step_ms / 1000.0), base_ms, step_ms / base_ms, first, base_first,
           cuda ? device.str() : "cpu", a.dtype, a.matmul, peak / 1e12, flops / 1e12,

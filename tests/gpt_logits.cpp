@@ -5,6 +5,9 @@
 //   gpt_logits --random OUT.safetensors
 //     writes a consolidated-format file of an untied GPT (4 heads) whose every
 //     tensor, biases and LayerNorms included, is random
+//   gpt_logits --preset NAME MODEL.safetensors IDS.safetensors OUT.safetensors
+//     the same logits for a model of GPTConfig preset NAME (any architecture:
+//     hf_models_check.py's Llama family) whose full weights MODEL holds
 // Runs on one rank (mpirun -np 1).
 #include "tessera/comm/factory.h"
 #include "tessera/comm/mpi_runtime.h"
@@ -44,6 +47,26 @@ void write_random(const std::string& out, const tessera::comm::CommunicatorPtr& 
   tessera::write_safetensors(out, tensors, {{"format", "pt"}});
 }
 
+// The logits of `gpt` (weights loaded) for IDS's "ids", into OUT's "logits".
+void forward_to_file(tessera::models::GPTImpl& gpt, const std::string& ids_file, const std::string& out) {
+  gpt.eval();
+  at::NoGradGuard no_grad;
+  const at::Tensor ids = SafetensorsFile(ids_file).read("ids").to(at::kLong);
+  tessera::write_safetensors(out, {{"logits", gpt.forward(ids).contiguous()}}, {{"format", "pt"}});
+}
+
+void write_preset_logits(const std::string& preset, const std::string& model, const std::string& ids_file,
+                         const std::string& out, const tessera::comm::CommunicatorPtr& world) {
+  const SafetensorsFile file(model);
+  tessera::models::GPT gpt(tessera::models::GPTConfig::preset(preset), serial_factory(world));
+  std::map<std::string, at::Tensor> state;
+  for (const auto& name : file.names()) state[name] = file.read(name);
+  TORCH_CHECK(state.size() == gpt->placements().size(), model, " holds ", state.size(), " tensors, the ", preset,
+              " model has ", gpt->placements().size());
+  gpt->load_full_state(state);
+  forward_to_file(*gpt, ids_file, out);
+}
+
 void write_logits(const std::string& model, int64_t heads, const std::string& ids_file, const std::string& out,
                   const tessera::comm::CommunicatorPtr& world) {
   const SafetensorsFile file(model);
@@ -67,12 +90,9 @@ void write_logits(const std::string& model, int64_t heads, const std::string& id
     TORCH_CHECK(known, model, ": tensor '", name, "' is not a parameter of this GPT");
   }
   gpt->load_full_state(state);
-  gpt->eval();
-  at::NoGradGuard no_grad;
-  const at::Tensor ids = SafetensorsFile(ids_file).read("ids").to(at::kLong);
-  tessera::write_safetensors(out, {{"logits", gpt->forward(ids).contiguous()}}, {{"format", "pt"}});
-  fmt::print("{}: logits for {}x{} ids of {} ({} layers, {} heads, hidden {}, vocab {}, {})\n", out, ids.size(0),
-             ids.size(1), model, c.layers(), c.heads(), c.hidden(), c.vocab(), c.tied() ? "tied" : "untied");
+  forward_to_file(*gpt, ids_file, out);
+  fmt::print("{}: logits of {} ({} layers, {} heads, hidden {}, vocab {}, {})\n", out, model, c.layers(), c.heads(),
+             c.hidden(), c.vocab(), c.tied() ? "tied" : "untied");
 }
 
 }  // namespace
@@ -83,12 +103,15 @@ int main(int argc, char** argv) {
     auto world = tessera::comm::make_world_communicator();
     if (argc == 3 && std::string(argv[1]) == "--random") {
       write_random(argv[2], world);
+    } else if (argc == 6 && std::string(argv[1]) == "--preset") {
+      write_preset_logits(argv[2], argv[3], argv[4], argv[5], world);
     } else if (argc == 5) {
       write_logits(argv[1], std::stoll(argv[2]), argv[3], argv[4], world);
     } else {
       fmt::print(stderr,
                  "usage: gpt_logits MODEL.safetensors HEADS IDS.safetensors OUT.safetensors\n"
-                 "       gpt_logits --random OUT.safetensors\n");
+                 "       gpt_logits --random OUT.safetensors\n"
+                 "       gpt_logits --preset NAME MODEL.safetensors IDS.safetensors OUT.safetensors\n");
       return 2;
     }
   } catch (const c10::Error& e) {

@@ -25,6 +25,8 @@
 //
 // Construction draws nothing from the default generator (weights start at
 // zero, LayerNorm at one): load_full_state() gives the model its weights.
+#include "module_state.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -282,17 +284,7 @@ class ReferenceGPTImpl : public torch::nn::Module {
 
   // Copies of the parameters (or, with gradients = true, of their gradients,
   // zeros where none) under GPT::full_state() names.
-  std::map<std::string, torch::Tensor> full_state(bool gradients = false) {
-    std::map<std::string, torch::Tensor> out;
-    for (const auto& p : named_parameters()) {
-      const torch::Tensor& t = p.value();
-      if (!gradients)
-        out[p.key()] = t.detach().clone();
-      else
-        out[p.key()] = t.grad().defined() ? t.grad().detach().clone() : torch::zeros_like(t).detach();
-    }
-    return out;
-  }
+  std::map<std::string, torch::Tensor> full_state(bool gradients = false) { return module_state(*this, gradients); }
 
   const ReferenceGPTConfig& config() const { return config_; }
 

@@ -187,7 +187,7 @@ TEST(LayerFactory1D, ActivationLayoutsRoundTrip) {
 TEST(GPTConfig, PresetsAndErrors) {
   EXPECT_EQ(models::GPTConfig::preset("small").hidden(), 768);
   EXPECT_EQ(models::GPTConfig::preset("medium").layers(), 24);
-  EXPECT_ERROR_CONTAINS(models::GPTConfig::preset("huge"), "unknown GPT preset 'huge'");
+  EXPECT_ERROR_CONTAINS(models::GPTConfig::preset("huge"), "unknown model preset 'huge'");
   auto tp = test::world();
   if (tp->size() > 1) {
     models::GPTConfig c = tiny();

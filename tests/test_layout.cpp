@@ -82,6 +82,15 @@ TEST(LayoutRules, ShapesEachLayoutNeeds) {
   EXPECT_ERROR_CONTAINS(check_shape(Layout(t2d), ModelShape(gpt).experts(4)), "mixture-of-experts layers run on "
                         "tensor mode 1d");
   check_shape(Layout(ParallelConfig().data(4).expert(2).sequence(2)), ModelShape(gpt).experts(4));
+  // Grouped-query attention: 1D splits kv heads or replicates them; the grids only split them.
+  check_shape(Layout(ParallelConfig().tensor(4)), ModelShape(gpt).kv_heads(2));
+  check_shape(Layout(ParallelConfig().tensor(4)), ModelShape(gpt).kv_heads(1));
+  EXPECT_ERROR_CONTAINS(check_shape(Layout(ParallelConfig().tensor(4)), ModelShape(gpt).heads(12).kv_heads(6)),
+                        "the 6 key/value heads can neither be split over the 4 head blocks",
+                        "the tensor size must be a multiple of them");
+  EXPECT_ERROR_CONTAINS(check_shape(Layout(t2d), ModelShape(gpt).kv_heads(1)),
+                        "the 1 key/value heads can neither be split over the 2 head blocks of tensor mode 2d",
+                        "only tensor mode 1d replicates kv heads");
 }
 
 }  // namespace

@@ -44,10 +44,19 @@ struct Case {
   int64_t experts = 0;
   bool tied = true;
   int64_t batch = 16;
+  // "gpt" (GPT-2), "llama" (RMSNorm, rotary, grouped-query attention with
+  // 2 kv heads of 8, SwiGLU, no biases), "qwen3" (llama with q/k norms and
+  // head_dim 16 != hidden / heads).
+  std::string family = "gpt";
 };
 
 models::GPTConfig gpt_config(const Case& c) {
   models::GPTConfig g;
+  if (c.family != "gpt") {
+    g.norm(nn::NormKind::kRMSNorm).positions(models::Positions::kRotary).mlp(nn::MLPKind::kSwiGLU).ffn(96);
+    g.bias(false).qkv_bias(false).kv_heads(2);
+    if (c.family == "qwen3") g.qk_norm(true).head_dim(16);
+  }
   g.vocab(101);
   g.context(16);
   g.layers(2);
@@ -55,7 +64,7 @@ models::GPTConfig gpt_config(const Case& c) {
   g.hidden(64);
   g.tied(c.tied);
   g.experts(c.experts);
-  g.moe_every(2);
+  if (c.experts > 0) g.moe_every(2);
   return g;
 }
 
@@ -151,6 +160,22 @@ std::vector<Case> cases() {
     out.push_back({"sp2_" + context::sequence_mode_name(m), ParallelConfig().sequence(2).sequence_mode(m), "ddp"});
   out.push_back({"ep2_moe", ParallelConfig().expert(2), "ddp", 1, ScheduleKind::k1F1B, 1, 4});
   out.push_back({"ep2_moe_zero2", ParallelConfig().expert(2), "zero2", 1, ScheduleKind::k1F1B, 1, 4});
+  // The Llama family's shapes in every mode.
+  const size_t gpt_cases = out.size();
+  for (size_t i = 0; i < gpt_cases; ++i) {
+    const Case c = out[i];  // a copy: out grows below
+    const bool wanted = c.name == "dp_ddp" || c.name == "dp_zero3" || c.name == "pp2_1f1b" ||
+                        c.name.rfind("tp", 0) == 0 || c.name.rfind("sp2", 0) == 0 || c.name == "ep2_moe";
+    if (!wanted) continue;
+    for (const char* family : {"llama", "qwen3"}) {
+      if (std::string(family) == "qwen3" && c.name.rfind("tp", 0) != 0) continue;
+      Case l = c;
+      l.name = std::string(family) + "_" + c.name;
+      l.tied = false;
+      l.family = family;
+      out.push_back(l);
+    }
+  }
   return out;
 }
 
@@ -377,7 +402,9 @@ TEST(Planner, EveryPlanItReturnsBuildsAndTrainsAStep) {
   int64_t stepped = 0, refused = 0;
   std::set<std::string> layouts;
   for (int64_t experts : {int64_t{0}, int64_t{4}}) {
-    const auto gpt = models::GPTConfig().vocab(64).context(16).layers(2).heads(4).hidden(32).experts(experts).moe_every(2);
+    const auto gpt =
+        models::GPTConfig().vocab(64).context(16).layers(2).heads(4).hidden(32).experts(experts).moe_every(
+            experts > 0 ? 2 : 1);
     const auto model = planner::ModelDesc::gpt(gpt, 16);
     const planner::SearchResult r = planner::search(model, cluster, options);
     refused += r.invalid;

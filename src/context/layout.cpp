@@ -53,6 +53,14 @@ void check_shape(const Layout& layout, const ModelShape& shape) {
                            std::to_string(c.tensor());
   const int64_t q = g.q();
   if (shape.heads() > 0) check_divides(shape.heads(), q, "the number of attention heads", mode + " splits heads over");
+  // Note [Replicated key/value heads]: 1D holds one kv head per rank where
+  // there are fewer kv heads than ranks; the grids split them only.
+  const int64_t kv = shape.kv_heads();
+  if (kv > 0 && kv % q != 0)
+    TORCH_CHECK(!grid_mode(c) && q % kv == 0, "the ", kv, " key/value heads can neither be split over the ", q,
+                " head blocks of ", mode, " nor replicated on them (",
+                grid_mode(c) ? "only tensor mode 1d replicates kv heads" : "the tensor size must be a multiple of them",
+                "); choose kv heads divisible by ", q, grid_mode(c) ? "" : " or a tensor size that they divide");
   if (c.tensor_mode() == TensorMode::k3D && c.tensor() > 1) {
     if (shape.hidden() > 0) check_divides(shape.hidden(), q * q, "the hidden size", mode + " splits inputs over (q²)");
     if (shape.ffn() > 0) check_divides(shape.ffn(), q * q, "the MLP width", mode + " splits inputs over (q²)");

@@ -63,6 +63,11 @@ double StreamStats::hidden_fraction() const {
 
 models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads) {
   const std::string where = "weights " + w.path();
+  const bool llama = w.contains("h.0.mlp.c_gate.weight") || w.contains("h.0.attn.q_proj.weight") ||
+                     (w.contains("h.0.ln_1.weight") && !w.contains("h.0.ln_1.bias"));
+  TORCH_CHECK(!llama, where, " hold a Llama-family model (rotary positions, RMSNorm, grouped-query attention or "
+              "SwiGLU), which streamed inference does not run yet (it runs GPT-2's architecture); sample it at the end of training "
+              "(train_gpt --sample) instead");
   for (const char* name : {"wte.weight", "wpe.weight", "ln_f.weight", "h.0.ln_1.weight"})
     TORCH_CHECK(w.contains(name), where, " are not a GPT (models::GPT's names): '", name, "' is missing");
   for (const auto& name : w.names())

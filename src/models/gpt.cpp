@@ -16,51 +16,156 @@
 namespace tessera {
 namespace models {
 
+namespace {
+
+// Test-sized shapes of each architecture: a vocabulary no tensor size
+// divides (exercises padding), head dimension 8.
+GPTConfig tiny_shape(GPTConfig c) { return c.vocab(101).context(32).layers(2).heads(4).hidden(32); }
+
+GPTConfig llama_family(GPTConfig c) {
+  return c.norm(nn::NormKind::kRMSNorm)
+      .positions(Positions::kRotary)
+      .mlp(nn::MLPKind::kSwiGLU)
+      .bias(false)
+      .qkv_bias(false)
+      .tied(false);
+}
+
+}  // namespace
+
 GPTConfig GPTConfig::preset(const std::string& name) {
   GPTConfig c;
-  if (name == "tiny") {
-    c.vocab(101);  // deliberately not divisible by tensor sizes: exercises padding
-    c.context(32);
-    c.layers(2);
-    c.heads(4);
-    c.hidden(32);
-    return c;
-  }
+  if (name == "tiny") return tiny_shape(c);
   if (name == "small") return c;  // GPT-2 124M
-  if (name == "medium") {
-    c.layers(24);
-    c.heads(16);
-    c.hidden(1024);
-    return c;
+  if (name == "medium") return c.layers(24).heads(16).hidden(1024);
+  const GPTConfig llama = llama_family(GPTConfig());
+  const nn::Llama3RopeScaling llama31;  // Llama 3.1: factor 8 from an 8192-token original context
+  if (name == "llama3-8b")
+    return GPTConfig(llama).vocab(128256).context(131072).layers(32).heads(32).kv_heads(8).hidden(4096).ffn(14336)
+        .rope_theta(500000).rope_scaling(llama31);
+  if (name == "llama3-70b")
+    return GPTConfig(llama).vocab(128256).context(131072).layers(80).heads(64).kv_heads(8).hidden(8192).ffn(28672)
+        .rope_theta(500000).rope_scaling(llama31);
+  if (name == "mistral-7b")  // v0.3: no sliding window
+    return GPTConfig(llama).vocab(32768).context(32768).layers(32).heads(32).kv_heads(8).hidden(4096).ffn(14336)
+        .rope_theta(1e6);
+  if (name == "mixtral-8x7b")
+    return GPTConfig(llama).vocab(32000).context(32768).layers(32).heads(32).kv_heads(8).hidden(4096).ffn(14336)
+        .rope_theta(1e6).experts(8).top_k(2).renormalize(true).aux_loss_coef(0.02).z_loss_coef(0);
+  if (name == "qwen2.5-7b")
+    return GPTConfig(llama).vocab(152064).context(32768).layers(28).heads(28).kv_heads(4).hidden(3584).ffn(18944)
+        .rope_theta(1e6).norm_eps(1e-6).qkv_bias(true);
+  if (name == "qwen3-8b")
+    return GPTConfig(llama).vocab(151936).context(40960).layers(36).heads(32).kv_heads(8).head_dim(128).hidden(4096)
+        .ffn(12288).rope_theta(1e6).norm_eps(1e-6).qk_norm(true);
+  // Scaled so that all three of llama3's frequency bands occur at head_dim 8.
+  if (name == "llama-tiny")
+    return tiny_shape(llama).kv_heads(2).ffn(48).rope_theta(500000).rope_scaling(
+        nn::Llama3RopeScaling().factor(4).original_context(64));
+  if (name == "mistral-tiny") return tiny_shape(llama).kv_heads(2).ffn(48).rope_theta(1e6);
+  if (name == "qwen2-tiny") return tiny_shape(llama).kv_heads(2).ffn(48).norm_eps(1e-6).qkv_bias(true);
+  if (name == "qwen3-tiny") return tiny_shape(llama).kv_heads(2).head_dim(16).ffn(48).norm_eps(1e-6).qk_norm(true);
+  if (name == "mixtral-tiny")
+    return tiny_shape(llama).kv_heads(2).ffn(48).experts(4).top_k(2).renormalize(true).aux_loss_coef(0.02)
+        .z_loss_coef(0);
+  std::string names;
+  for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+  TORCH_CHECK(false, "unknown model preset '", name, "'; presets: ", names);
+}
+
+std::vector<std::string> GPTConfig::preset_names() {
+  return {"tiny",       "small",      "medium",     "llama3-8b",  "llama3-70b", "mistral-7b", "mixtral-8x7b",
+          "qwen2.5-7b", "qwen3-8b",   "llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny"};
+}
+
+void GPTConfig::check() const {
+  TORCH_CHECK(vocab_ > 0 && context_ > 0 && layers_ > 0 && heads_ > 0 && hidden_ > 0,
+              "model sizes must be positive; got vocab ", vocab_, ", context ", context_, ", layers ", layers_,
+              ", heads ", heads_, ", hidden ", hidden_);
+  TORCH_CHECK(kv_heads_ >= 0 && head_dim_ >= 0 && ffn_ >= 0,
+              "kv_heads, head_dim and ffn must be >= 0 (0: the default), got ", kv_heads_, ", ", head_dim_, ", ", ffn_);
+  TORCH_CHECK(heads_ % num_kv_heads() == 0, "the ", heads_, " attention heads are not divisible by the ",
+              num_kv_heads(), " key/value heads (each kv head serves a whole group of query heads); choose kv heads "
+              "that divide the heads");
+  TORCH_CHECK(head_dim_ > 0 || hidden_ % heads_ == 0, "hidden size ", hidden_, " is not divisible by heads ", heads_,
+              "; choose divisible sizes or set head_dim");
+  TORCH_CHECK(positions_ != Positions::kRotary || dim_per_head() % 2 == 0,
+              "rotary position embeddings need an even head dimension; got head_dim ", dim_per_head(),
+              "; choose an even head dimension or learned positions");
+  TORCH_CHECK(norm_eps_ > 0, "norm_eps must be positive, got ", norm_eps_);
+  TORCH_CHECK(experts_ >= 0 && moe_every_ >= 1, "experts (", experts_, ") must be >= 0 and moe_every (", moe_every_,
+              ") >= 1");
+  if (experts_ == 0) {
+    // A MoE option on a dense model would silently do nothing.
+    const char* set = top_k_ != 1           ? "top_k"
+                      : moe_every_ != 1     ? "moe_every"
+                      : renormalize_        ? "renormalize"
+                      : capacity_factor_    ? "capacity_factor"
+                                            : nullptr;
+    TORCH_CHECK(set == nullptr, "the mixture-of-experts option ", set,
+                " is set, but the model is dense (experts 0); set experts, or leave ", set, " at its default");
   }
-  TORCH_CHECK(false, "unknown GPT preset '", name, "'; presets: tiny, small, medium");
+  TORCH_CHECK(experts_ == 0 || moe_every_ <= layers_, "moe_every ", moe_every_, " exceeds the ", layers_,
+              " layers, so no block would have experts; lower moe_every");
+  TORCH_CHECK(experts_ == 0 || (top_k_ >= 1 && top_k_ <= experts_), "top-k ", top_k_, " must be between 1 and the ",
+              experts_, " experts");
 }
 
 class GPTBlockImpl : public torch::nn::Module {
  public:
   GPTBlockImpl(const GPTConfig& c, nn::LayerFactory& f, bool moe, std::shared_ptr<nn::MoELossScale> aux_loss_scale)
-      : f_(f), heads_(f.local_heads(c.heads())), head_dim_(c.hidden() / c.heads()), checkpoint_(c.checkpoint_activations()) {
-    TORCH_CHECK(c.hidden() % c.heads() == 0, "GPT hidden size ", c.hidden(), " is not divisible by heads ", c.heads());
-    ln_1 = f.layer_norm(c.hidden());
-    c_attn = f.linear(c.hidden(), 3 * c.hidden(), nn::LinearRole::kColumn, true);
-    core_attention = f.core_attention(c.heads(), head_dim_, c.dropout());
-    attn_proj = f.linear(c.hidden(), c.hidden(), nn::LinearRole::kRow, true);
+      : f_(f), heads_(f.local_heads(c.heads())), head_dim_(c.dim_per_head()), checkpoint_(c.checkpoint_activations()) {
+    const int64_t h = c.hidden(), d = head_dim_, attn = c.heads() * d;
+    // Construction order fixes each layer's seed draw: GPT-2's is kept.
+    ln_1 = f.norm(h, c.norm(), c.norm_eps());
+    if (c.grouped_attention()) {
+      entry_ = f.column_entry();
+      q_proj = f.linear(h, attn, nn::LinearRole::kColumnEntered, c.qkv_bias());
+      kv_proj = f.kv_linear(h, c.num_kv_heads(), 2 * d, c.qkv_bias());
+      kv_heads_ = f.local_kv_heads(c.num_kv_heads());
+    } else {
+      c_attn = f.linear(h, 3 * attn, nn::LinearRole::kColumn, c.qkv_bias());
+      kv_heads_ = heads_;
+    }
+    if (c.qk_norm()) {
+      q_norm = f.head_norm(d, c.norm_eps());
+      k_norm = f.head_norm(d, c.norm_eps());
+    }
+    if (c.positions() == Positions::kRotary)
+      rotary = torch::nn::AnyModule(
+          nn::RotaryEmbedding(nn::RotaryOptions(d).theta(c.rope_theta()).scaling(c.rope_scaling())));
+    core_attention = f.core_attention(c.heads(), d, c.dropout());
+    attn_proj = f.linear(attn, h, nn::LinearRole::kRow, c.bias());
     resid_drop_1 = f.dropout(c.dropout(), nn::DropoutSite::kBlock);
-    ln_2 = f.layer_norm(c.hidden());
-    mlp = moe ? f.moe(nn::MoEOptions(c.hidden(), 4 * c.hidden(), c.experts())
+    ln_2 = f.norm(h, c.norm(), c.norm_eps());
+    mlp = moe ? f.moe(nn::MoEOptions(h, c.ffn_size(), c.experts())
                           .top_k(c.top_k())
                           .renormalize(c.renormalize())
                           .capacity_factor(c.capacity_factor())
                           .drop_policy(c.drop_policy())
                           .aux_loss_coef(c.aux_loss_coef())
-                          .z_loss_coef(c.z_loss_coef()),
+                          .z_loss_coef(c.z_loss_coef())
+                          .gated(c.mlp() == nn::MLPKind::kSwiGLU)
+                          .bias(c.bias()),
                       std::move(aux_loss_scale))
-              : f.mlp(c.hidden(), 4 * c.hidden());
+              : f.mlp(h, c.ffn_size(), c.mlp(), c.bias());
     resid_drop_2 = f.dropout(c.dropout(), nn::DropoutSite::kBlock);
     const std::pair<const char*, torch::nn::AnyModule*> children[] = {
-        {"ln_1", &ln_1}, {"c_attn", &c_attn}, {"core_attention", &core_attention}, {"attn_proj", &attn_proj},
-        {"resid_drop_1", &resid_drop_1}, {"ln_2", &ln_2}, {"mlp", &mlp}, {"resid_drop_2", &resid_drop_2}};
-    for (const auto& child : children) register_module(child.first, child.second->ptr());
+        {"ln_1", &ln_1},
+        {"c_attn", &c_attn},
+        {"q_proj", &q_proj},
+        {"kv_proj", &kv_proj},
+        {"q_norm", &q_norm},
+        {"k_norm", &k_norm},
+        {"rotary", &rotary},
+        {"core_attention", &core_attention},
+        {"attn_proj", &attn_proj},
+        {"resid_drop_1", &resid_drop_1},
+        {"ln_2", &ln_2},
+        {"mlp", &mlp},
+        {"resid_drop_2", &resid_drop_2}};
+    for (const auto& child : children)
+      if (!child.second->is_empty()) register_module(child.first, child.second->ptr());
   }
 
   at::Tensor forward(const at::Tensor& x) {
@@ -70,7 +175,9 @@ class GPTBlockImpl : public torch::nn::Module {
         *this, [this](const at::Tensor& in) { return body(in); }, x);
   }
 
-  torch::nn::AnyModule ln_1, c_attn, core_attention, attn_proj, resid_drop_1, ln_2, mlp, resid_drop_2;
+  // Empty where the configuration has no such layer.
+  torch::nn::AnyModule ln_1, c_attn, q_proj, kv_proj, q_norm, k_norm, rotary, core_attention, attn_proj, resid_drop_1,
+      ln_2, mlp, resid_drop_2;
 
  private:
   at::Tensor body(const at::Tensor& x) {
@@ -78,17 +185,38 @@ class GPTBlockImpl : public torch::nn::Module {
     return h + resid_drop_2.forward(mlp.forward(ln_2.forward(h)));
   }
 
-  // [b, s, local heads · 3 · head_dim] (rows grouped per head) -> [b, s, local heads · head_dim].
+  // -> [b, s, local heads · head_dim].
   at::Tensor attention(const at::Tensor& x) {
-    at::Tensor qkv = c_attn.forward(x);
-    const int64_t b = qkv.size(0), s = qkv.size(1);
-    qkv = qkv.view({b, s, heads_, 3, head_dim_}).permute({3, 0, 2, 1, 4});  // [3, b, h, s, d]
-    at::Tensor out = core_attention.forward(qkv[0], qkv[1], qkv[2], f_.attention_positions(s));
+    at::Tensor q, k, v;  // [b, heads, s, d]
+    if (!c_attn.is_empty()) {
+      const at::Tensor qkv = c_attn.forward(x);  // rows grouped per head
+      const at::Tensor split = qkv.view({qkv.size(0), qkv.size(1), heads_, 3, head_dim_}).permute({3, 0, 2, 1, 4});
+      q = split[0], k = split[1], v = split[2];
+    } else {
+      const at::Tensor in = entry_(x);  // one entry for both projections
+      const at::Tensor qp = q_proj.forward(in);
+      q = qp.view({qp.size(0), qp.size(1), heads_, head_dim_}).transpose(1, 2);
+      const at::Tensor kv = kv_proj.forward(in);  // rows grouped per kv head: k, then v
+      const at::Tensor split = kv.view({kv.size(0), kv.size(1), kv_heads_, 2, head_dim_}).permute({3, 0, 2, 1, 4});
+      k = split[0], v = split[1];
+    }
+    const int64_t b = q.size(0), s = q.size(2);
+    if (!q_norm.is_empty()) q = q_norm.forward(q), k = k_norm.forward(k);
+    const at::Tensor positions = f_.attention_positions(s);
+    if (!rotary.is_empty()) q = rotary.forward(q, positions), k = rotary.forward(k, positions);
+    if (kv_heads_ != heads_) {
+      // Each kv head serves heads_ / kv_heads_ consecutive query heads.
+      k = k.repeat_interleave(heads_ / kv_heads_, 1);
+      v = v.repeat_interleave(heads_ / kv_heads_, 1);
+    }
+    const at::Tensor out = core_attention.forward(q, k, v, positions);
     return out.permute({0, 2, 1, 3}).reshape({b, s, heads_ * head_dim_});
   }
 
   nn::LayerFactory& f_;
+  std::function<at::Tensor(const at::Tensor&)> entry_;  // grouped attention: column_entry()
   int64_t heads_;
+  int64_t kv_heads_ = 0;
   int64_t head_dim_;
   bool checkpoint_;
 };
@@ -101,8 +229,9 @@ at::Tensor embed(nn::LayerFactory& f, const GPTConfig& c, torch::nn::AnyModule& 
   TORCH_CHECK(ids.dim() == 2, "GPT expects token ids [batch, sequence], got shape ", ids.sizes());
   const int64_t s = ids.size(1);
   TORCH_CHECK(s <= c.context(), "sequence length ", s, " exceeds the context length ", c.context());
-  at::Tensor positions = f.positions(s).to(ids.device());
-  return drop.forward(wte.forward(ids) + wpe.forward(positions));
+  at::Tensor x = wte.forward(ids);
+  if (!wpe.is_empty()) x = x + wpe.forward(f.positions(s).to(ids.device()));
+  return drop.forward(x);
 }
 
 // The pipeline's first and last layers (GPTImpl::as_sequential).
@@ -112,7 +241,7 @@ class GPTEmbeddingImpl : public torch::nn::Module {
                    torch::nn::AnyModule drop)
       : c_(c), f_(std::move(f)), wte_(std::move(wte)), wpe_(std::move(wpe)), drop_(std::move(drop)) {
     register_module("wte", wte_.ptr());
-    register_module("wpe", wpe_.ptr());
+    if (!wpe_.is_empty()) register_module("wpe", wpe_.ptr());
     register_module("drop", drop_.ptr());
   }
   at::Tensor forward(const at::Tensor& ids) { return embed(*f_, c_, wte_, wpe_, drop_, ids); }
@@ -142,27 +271,24 @@ class GPTHeadImpl : public torch::nn::Module {
 GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> factory)
     : config_(config), factory_(std::move(factory)) {
   TORCH_CHECK(factory_ != nullptr, "GPT needs a layer factory");
-  TORCH_CHECK(config_.vocab() > 0 && config_.context() > 0 && config_.layers() > 0 && config_.heads() > 0 && config_.hidden() > 0,
-              "GPT config sizes must be positive");
   nn::LayerFactory& f = *factory_;
-  wte_ = f.vocab_embedding(config_.vocab(), config_.hidden());
-  wpe_ = f.position_embedding(config_.context(), config_.hidden());
-  drop_ = f.dropout(config_.dropout(), nn::DropoutSite::kBlock);
-  register_module("wte", wte_.ptr());
-  register_module("wpe", wpe_.ptr());
-  register_module("drop", drop_.ptr());
-  TORCH_CHECK(config_.experts() >= 0 && config_.moe_every() >= 1, "GPT: experts (", config_.experts(),
-              ") must be >= 0 and moe_every (", config_.moe_every(), ") >= 1");
   TORCH_CHECK(config_.experts() > 0 || f.expert_size() == 1, "GPT: expert size ", f.expert_size(),
               " is configured, but the model has no mixture-of-experts blocks (experts 0); set experts or expert "
               "size 1");
-  TORCH_CHECK(config_.experts() == 0 || config_.moe_every() <= config_.layers(), "GPT: moe_every ", config_.moe_every(),
-              " exceeds the ", config_.layers(), " layers, so no block would have experts; lower moe_every");
+  config_.check();
+  wte_ = f.vocab_embedding(config_.vocab(), config_.hidden());
+  register_module("wte", wte_.ptr());
+  if (config_.positions() == Positions::kLearned) {
+    wpe_ = f.position_embedding(config_.context(), config_.hidden());
+    register_module("wpe", wpe_.ptr());
+  }
+  drop_ = f.dropout(config_.dropout(), nn::DropoutSite::kBlock);
+  register_module("drop", drop_.ptr());
   for (int64_t i = 0; i < config_.layers(); ++i) {
     blocks_.push_back(std::make_shared<GPTBlockImpl>(config_, f, config_.moe_block(i), aux_loss_scale_));
     register_module("h" + std::to_string(i), blocks_.back());
   }
-  ln_f_ = f.layer_norm(config_.hidden());
+  ln_f_ = f.norm(config_.hidden(), config_.norm(), config_.norm_eps());
   register_module("ln_f", ln_f_.ptr());
   if (!config_.tied()) {
     lm_head_ = f.vocab_embedding(config_.vocab(), config_.hidden());
@@ -181,7 +307,7 @@ void GPTImpl::reset_parameters() {
     const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
     if (bias) {
       p.param.detach().zero_();
-    } else if (name.find("ln_") != std::string::npos) {
+    } else if (name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos) {
       p.param.detach().fill_(1.0);
     } else {
       const bool proj = name.find("c_proj") != std::string::npos;
@@ -274,7 +400,8 @@ std::string gpt2_name(const std::string& name) {
   if (name.size() < 2 || name[0] != 'h' || !std::isdigit(static_cast<unsigned char>(name[1]))) return name;
   const auto dot = name.find('.');
   std::string rest = name.substr(dot + 1);
-  if (rest.rfind("c_attn.", 0) == 0) rest = "attn." + rest;
+  for (const char* attn : {"c_attn.", "q_proj.", "kv_proj.", "q_norm.", "k_norm."})
+    if (rest.rfind(attn, 0) == 0) rest = "attn." + rest;
   if (rest.rfind("attn_proj.", 0) == 0) rest = "attn.c_proj." + rest.substr(10);
   return "h." + name.substr(1, dot - 1) + "." + rest;
 }

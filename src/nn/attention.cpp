@@ -62,7 +62,19 @@ MLPImpl::MLPImpl(torch::nn::AnyModule fc, torch::nn::AnyModule proj) : c_fc(std:
   register_module("c_proj", c_proj.ptr());
 }
 
-at::Tensor MLPImpl::forward(const at::Tensor& x) { return c_proj.forward(at::gelu(c_fc.forward(x))); }
+MLPImpl::MLPImpl(torch::nn::AnyModule gate, torch::nn::AnyModule fc, torch::nn::AnyModule proj,
+                 std::function<at::Tensor(const at::Tensor&)> entry)
+    : c_gate(std::move(gate)), c_fc(std::move(fc)), c_proj(std::move(proj)), entry_(std::move(entry)) {
+  register_module("c_gate", c_gate.ptr());
+  register_module("c_fc", c_fc.ptr());
+  register_module("c_proj", c_proj.ptr());
+}
+
+at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  if (c_gate.is_empty()) return c_proj.forward(at::gelu(c_fc.forward(x)));
+  const at::Tensor in = entry_(x);
+  return c_proj.forward(at::silu(c_gate.forward(in)) * c_fc.forward(in));
+}
 
 }  // namespace nn
 }  // namespace tessera

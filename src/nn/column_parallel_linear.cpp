@@ -60,8 +60,9 @@ at::Tensor ColumnParallelLinearImpl::full_bias() const {
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(input.size(-1) == options.in_features(), "ColumnParallelLinear: input has ", input.size(-1),
               " features in its last dimension, ", options.in_features(), " expected");
-  const at::Tensor x = options.sequence_parallel() ? comm::all_gather_along_dim(input, options.sequence_dim(), group_)
-                                                   : comm::copy_to_group(input, group_);
+  const at::Tensor x = options.input_entered()        ? input
+                       : options.sequence_parallel() ? comm::all_gather_along_dim(input, options.sequence_dim(), group_)
+                                                     : comm::copy_to_group(input, group_);
   at::Tensor y = at::linear(x, weight, bias);
   return options.gather_output() ? comm::gather_along_dim(y, -1, group_) : y;
 }

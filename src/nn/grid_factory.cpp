@@ -46,8 +46,16 @@ int64_t GridFactory::local_heads(int64_t heads) const {
   return heads / q;
 }
 
-torch::nn::AnyModule GridFactory::layer_norm(int64_t dim) {
-  return torch::nn::AnyModule(LayerNorm2D(LayerNorm2DOptions(dim), g_.hidden, g_.across, g_.depth));
+torch::nn::AnyModule GridFactory::norm(int64_t dim, NormKind kind, double eps) {
+  return torch::nn::AnyModule(LayerNorm2D(LayerNorm2DOptions(dim).eps(eps).rms(kind == NormKind::kRMSNorm), g_.hidden,
+                                          g_.across, g_.depth));
+}
+
+ParamPlacement GridFactory::head_param(const at::Tensor& param) const {
+  ParamPlacement p = replicated_placement(param);
+  p.partial(g_.hidden->name(), g_.hidden).partial(g_.across->name(), g_.across);
+  if (g_.depth && g_.depth->size() > 1) p.partial(g_.depth->name(), g_.depth);
+  return p;
 }
 
 torch::nn::AnyModule GridFactory::position_embedding(int64_t context, int64_t dim) {

@@ -37,12 +37,15 @@ class GridFactory : public LayerFactory {
   at::Tensor positions(int64_t seq_len) const override;
   // Heads are split over the hidden group's q blocks.
   int64_t local_heads(int64_t heads) const override;
+  int64_t head_split() const override { return g_.hidden->size(); }
   at::Tensor attention_positions(int64_t tokens) const override;
-  torch::nn::AnyModule layer_norm(int64_t dim) override;
+  torch::nn::AnyModule norm(int64_t dim, NormKind kind, double eps) override;
   torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) override;
   torch::nn::AnyModule dropout(double p, DropoutSite site) override;
   // Replicated over the hidden group, Partial over the batch-side groups.
   ParamPlacement replicated_param(const at::Tensor& param) const override;
+  // Attention's activations differ over every group of the grid.
+  ParamPlacement head_param(const at::Tensor& param) const override;
   // Each batch block's sum of token losses, divided by the whole batch's
   // count of targets (the full targets are on every rank) and summed over
   // the logits' batch blocks with an identity backward: every rank holds the

@@ -4,6 +4,7 @@
 #include "tessera/context/layout.h"
 #include "tessera/core/hash.h"
 #include "tessera/nn/attention.h"
+#include "tessera/nn/rms_norm.h"
 
 #include <torch/nn/module.h>
 
@@ -14,9 +15,43 @@ torch::nn::AnyModule LayerFactory::core_attention(int64_t /*heads*/, int64_t hea
   return torch::nn::AnyModule(LocalAttention(head_dim, dropout(p, DropoutSite::kSharded)));
 }
 
-torch::nn::AnyModule LayerFactory::mlp(int64_t hidden, int64_t ffn) {
-  auto fc = linear(hidden, ffn, LinearRole::kColumn, true);
-  return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, true)));
+torch::nn::AnyModule LayerFactory::mlp(int64_t hidden, int64_t ffn, MLPKind kind, bool bias) {
+  // Construction order fixes the seeds each linear draws: gate, up, down.
+  if (kind == MLPKind::kSwiGLU) {
+    auto gate = linear(hidden, ffn, LinearRole::kColumnEntered, bias);
+    auto fc = linear(hidden, ffn, LinearRole::kColumnEntered, bias);
+    return torch::nn::AnyModule(
+        MLP(std::move(gate), std::move(fc), linear(ffn, hidden, LinearRole::kRow, bias), column_entry()));
+  }
+  auto fc = linear(hidden, ffn, LinearRole::kColumn, bias);
+  return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, bias)));
+}
+
+int64_t LayerFactory::local_kv_heads(int64_t kv_heads) const {
+  const int64_t split = head_split();
+  return kv_heads % split == 0 ? kv_heads / split : 1;
+}
+
+torch::nn::AnyModule LayerFactory::head_norm(int64_t head_dim, double eps) {
+  // The placement's groups, copied: the layer may outlive this factory.
+  ParamPlacement shape = head_param(at::empty({head_dim}));
+  return torch::nn::AnyModule(RMSNorm(RMSNormOptions(head_dim).eps(eps), [shape](const at::Tensor& p) {
+    ParamPlacement placed = shape;
+    placed.param = p;
+    return placed;
+  }));
+}
+
+torch::nn::AnyModule LayerFactory::kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias) {
+  const int64_t split = head_split();
+  TORCH_CHECK(kv_heads % split == 0, "the ", kv_heads, " key/value heads cannot be split over the ", split,
+              " head blocks of tensor mode ", mode(), " (each block holds whole kv heads here; only the 1D layers "
+              "replicate kv heads); choose kv heads divisible by ", split, " or tensor mode 1d");
+  return linear(in, kv_heads * rows_per_head, LinearRole::kColumnEntered, bias);
+}
+
+std::function<at::Tensor(const at::Tensor&)> LayerFactory::column_entry() const {
+  return [](const at::Tensor& x) { return x; };
 }
 
 torch::nn::AnyModule LayerFactory::moe(const MoEOptions& /*options*/, std::shared_ptr<MoELossScale> /*loss_scale*/) {

@@ -5,6 +5,7 @@
 #include "tessera/nn/init.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/nn/parallel_dropout.h"
+#include "tessera/nn/rms_norm.h"
 #include "tessera/nn/row_parallel_linear.h"
 #include "tessera/nn/shard.h"
 #include "tessera/nn/vocab_parallel_cross_entropy.h"
@@ -13,11 +14,60 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/cloneable.h>
 #include <torch/nn/modules/normalization.h>
+
+#include <map>
 
 namespace tessera {
 namespace nn {
 namespace {
+
+// Note [Replicated key/value heads]
+// Grouped-query attention with fewer kv heads K than tensor ranks n (n a
+// multiple of K; Megatron's choice): the query heads of rank r all belong to
+// kv group g = r / (n/K), so the rank holds that one kv head's rows of the
+// [2·K·d, in] projection. Its placement: Shard(0) over the K ranks that hold
+// different kv heads, Partial over the n/K that hold the same one. The
+// replicas compute the same k and v; each backpropagates only its own query
+// heads' share, so their weight gradients are partial sums (summed over the
+// replica group like any Partial axis), and their input gradients add up in
+// the backward of column_entry(), as a column-parallel layer's do. Splitting
+// the kv heads would need a fraction of a head per rank.
+class ReplicatedKVLinearImpl : public torch::nn::Cloneable<ReplicatedKVLinearImpl>, public PlacedModule {
+ public:
+  ReplicatedKVLinearImpl(int64_t in, int64_t kv_heads, int64_t rows, bool bias, comm::CommunicatorPtr shards,
+                         comm::CommunicatorPtr replicas)
+      : in_(in), kv_heads_(kv_heads), rows_(rows), bias_(bias), shards_(std::move(shards)),
+        replicas_(std::move(replicas)) {
+    reset();
+  }
+  void reset() override {
+    weight = register_parameter("weight", at::zeros({rows_, in_}));
+    if (bias_) bias = register_parameter("bias", at::zeros({rows_}));
+  }
+  NamedPlacements local_placements() override {
+    NamedPlacements out;
+    for (auto* p : {&weight, &bias}) {
+      if (!p->defined()) continue;
+      ParamPlacement placed =
+          replicated_placement(*p).shard("kv-heads", shards_, 0, kv_heads_ * rows_).partial("kv-replicas", replicas_);
+      out.emplace_back(p == &weight ? "weight" : "bias", std::move(placed));
+    }
+    return out;
+  }
+  // input: column_entry()'s output.
+  at::Tensor forward(const at::Tensor& input) { return at::linear(input, weight, bias); }
+
+  at::Tensor weight, bias;  // [rows, in], [rows]: this rank's kv head
+
+ private:
+  int64_t in_, kv_heads_, rows_;
+  bool bias_;
+  comm::CommunicatorPtr shards_, replicas_;
+};
+
+TORCH_MODULE(ReplicatedKVLinear);
 
 class Factory1D : public LayerFactory {
  public:
@@ -47,24 +97,48 @@ class Factory1D : public LayerFactory {
     check_divisible(heads, group_->size(), "number of attention heads", "heads are split across tensor ranks");
     return heads / group_->size();
   }
+  int64_t head_split() const override { return group_->size(); }
   at::Tensor attention_positions(int64_t tokens) const override {
     return at::arange(tokens, at::kLong);  // c_attn's output holds the whole sequence
   }
 
   torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) override {
-    if (role == LinearRole::kColumn) {
-      return torch::nn::AnyModule(ColumnParallelLinear(
-          ColumnParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_).init_seed(draw_seed()), group_));
+    if (role != LinearRole::kRow) {
+      return torch::nn::AnyModule(ColumnParallelLinear(ColumnParallelLinearOptions(in, out)
+                                                           .bias(bias)
+                                                           .sequence_parallel(sp_)
+                                                           .input_entered(role == LinearRole::kColumnEntered)
+                                                           .init_seed(draw_seed()),
+                                                       group_));
     }
     return torch::nn::AnyModule(RowParallelLinear(
         RowParallelLinearOptions(in, out).bias(bias).sequence_parallel(sp_).init_seed(draw_seed()), group_));
+  }
+  std::function<at::Tensor(const at::Tensor&)> column_entry() const override {
+    auto group = group_;
+    if (sp_) return [group](const at::Tensor& x) { return comm::all_gather_along_dim(x, 1, group); };
+    return [group](const at::Tensor& x) { return comm::copy_to_group(x, group); };
   }
   torch::nn::AnyModule vocab_embedding(int64_t vocab, int64_t dim) override {
     return torch::nn::AnyModule(VocabParallelEmbedding(
         VocabParallelEmbeddingOptions(vocab, dim).sequence_parallel(sp_).init_seed(draw_seed()), group_));
   }
-  torch::nn::AnyModule layer_norm(int64_t dim) override {
-    return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+  torch::nn::AnyModule norm(int64_t dim, NormKind kind, double eps) override {
+    if (kind == NormKind::kRMSNorm) return torch::nn::AnyModule(RMSNorm(RMSNormOptions(dim).eps(eps)));
+    return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(eps)));
+  }
+  torch::nn::AnyModule kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias) override {
+    const int64_t n = group_->size();
+    if (kv_heads % n == 0) return LayerFactory::kv_linear(in, kv_heads, rows_per_head, bias);
+    TORCH_CHECK(n % kv_heads == 0, "the ", kv_heads, " key/value heads can neither be split over the ", n,
+                " tensor ranks nor replicated on them (the tensor size must be a multiple of the kv heads, so that "
+                "each rank's query heads share one kv head); choose a tensor size that divides or is a multiple of ",
+                kv_heads);
+    const auto& [shards, replicas] = kv_groups(kv_heads);
+    // Drawn like any layer (one seed per layer); the model's initialization
+    // then fills every replica alike from the full tensor's blocks.
+    (void)draw_seed();
+    return torch::nn::AnyModule(ReplicatedKVLinear(in, kv_heads, rows_per_head, bias, shards, replicas));
   }
   torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) override {
     // Drawn blockwise from one seed, as every factory's embeddings are: the
@@ -98,6 +172,9 @@ class Factory1D : public LayerFactory {
     ParamPlacement p = replicated_placement(param);
     return sp_ ? p.partial("tensor", group_) : p.replicate("tensor", group_);
   }
+  ParamPlacement head_param(const at::Tensor& param) const override {
+    return replicated_placement(param).partial("tensor", group_);  // heads are split in both variants
+  }
 
   at::Tensor lm_logits(const at::Tensor& hidden, torch::nn::AnyModule& vocab_embedding) override {
     auto e = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(vocab_embedding.ptr());
@@ -120,6 +197,18 @@ class Factory1D : public LayerFactory {
   uint64_t dropouts_ = 0;
   MoEGroups experts_;
   bool row_keyed_;
+  // Note [Replicated key/value heads]: per number of kv heads, the groups of
+  // ranks holding different kv heads and those holding the same one.
+  std::map<int64_t, std::pair<comm::CommunicatorPtr, comm::CommunicatorPtr>> kv_groups_;
+
+  const std::pair<comm::CommunicatorPtr, comm::CommunicatorPtr>& kv_groups(int64_t kv_heads) {
+    auto it = kv_groups_.find(kv_heads);
+    if (it != kv_groups_.end()) return it->second;
+    const int r = group_->rank(), copies = static_cast<int>(group_->size() / kv_heads);
+    auto shards = group_->split(r % copies, r / copies, group_->name() + "-kv-heads");
+    auto replicas = group_->split(r / copies, r % copies, group_->name() + "-kv-replicas");
+    return kv_groups_.emplace(kv_heads, std::make_pair(std::move(shards), std::move(replicas))).first->second;
+  }
 };
 
 }  // namespace

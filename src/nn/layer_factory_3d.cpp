@@ -39,7 +39,7 @@ class Factory3D : public GridFactory {
 
   torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) override {
     const GridGroups& g = groups();
-    const bool column = role == LinearRole::kColumn;  // layout A -> B; a row-role layer swaps the groups back
+    const bool column = role != LinearRole::kRow;  // layout A -> B; a row-role layer swaps the groups back
     return torch::nn::AnyModule(Linear3D(Linear3DOptions(in, out).bias(bias).init_seed(draw_seed()),
                                          column ? g.across : g.hidden, g.depth, column ? g.hidden : g.across));
   }

@@ -73,6 +73,7 @@ class SequenceFactory : public LayerFactory {
   }
   at::Tensor positions(int64_t seq_len) const override { return layout_.positions(seq_len); }
   int64_t local_heads(int64_t heads) const override { return inner_->local_heads(heads); }
+  int64_t head_split() const override { return inner_->head_split(); }
   at::Tensor attention_positions(int64_t tokens) const override {
     return layout_.positions(tokens * layout_.size());
   }
@@ -80,10 +81,14 @@ class SequenceFactory : public LayerFactory {
   torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) override {
     return inner_->linear(in, out, role, bias);
   }
+  std::function<at::Tensor(const at::Tensor&)> column_entry() const override { return inner_->column_entry(); }
   torch::nn::AnyModule vocab_embedding(int64_t vocab, int64_t dim) override {
     return torch::nn::AnyModule(SequenceEmbedding(inner_->vocab_embedding(vocab, dim), layout_));
   }
-  torch::nn::AnyModule layer_norm(int64_t dim) override { return inner_->layer_norm(dim); }
+  torch::nn::AnyModule norm(int64_t dim, NormKind kind, double eps) override { return inner_->norm(dim, kind, eps); }
+  torch::nn::AnyModule kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias) override {
+    return inner_->kv_linear(in, kv_heads, rows_per_head, bias);
+  }
   torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) override {
     return inner_->position_embedding(context, dim);
   }
@@ -115,6 +120,8 @@ class SequenceFactory : public LayerFactory {
   ParamPlacement replicated_param(const at::Tensor& param) const override {
     return inner_->replicated_param(param).partial("sequence", group_);
   }
+  // placements() adds the sequence axis to it.
+  ParamPlacement head_param(const at::Tensor& param) const override { return inner_->head_param(param); }
   NamedPlacements placements(torch::nn::Module& module) const override {
     NamedPlacements result = inner_->placements(module);
     for (auto& entry : result) entry.second.partial("sequence", group_);

@@ -1,6 +1,7 @@
 #include "tessera/nn/layer_norm_2d.h"
 
 #include "tessera/comm/functional.h"
+#include "tessera/nn/rms_norm.h"
 #include "tessera/nn/shard.h"
 
 #include <ATen/ATen.h>
@@ -32,19 +33,20 @@ void LayerNorm2DImpl::reset() {
   TORCH_CHECK(options.eps() > 0, "LayerNorm2D: eps must be positive, got ", options.eps());
   check_divisible(options.hidden(), row_->size(), "LayerNorm2D hidden", "choose a hidden size divisible by q");
   weight = register_parameter("weight", at::empty({options.hidden() / row_->size()}));
-  bias = register_parameter("bias", at::empty({options.hidden() / row_->size()}));
+  if (!options.rms()) bias = register_parameter("bias", at::empty({options.hidden() / row_->size()}));
   reset_parameters();
 }
 
 void LayerNorm2DImpl::reset_parameters() {
   at::NoGradGuard no_grad;
   weight.fill_(1.0);
-  bias.zero_();
+  if (bias.defined()) bias.zero_();
 }
 
 NamedPlacements LayerNorm2DImpl::local_placements() {
   NamedPlacements out;
   for (auto* p : {&weight, &bias}) {
+    if (!p->defined()) continue;
     ParamPlacement placed = replicated_placement(*p).shard(row_->name(), row_, 0).partial(col_->name(), col_);
     if (depth_ && depth_->size() > 1) placed.partial(depth_->name(), depth_);
     out.emplace_back(p == &weight ? "weight" : "bias", placed);
@@ -58,6 +60,10 @@ at::Tensor LayerNorm2DImpl::forward(const at::Tensor& input) {
               input.dim() >= 1 ? input.size(-1) : 0, " features in its last dimension, hidden / q = ", local,
               " expected (the input is this rank's hidden block)");
   const double n = static_cast<double>(options.hidden());
+  if (options.rms()) {
+    const at::Tensor mean_square = row_sum(input.to(at::kFloat).pow(2).sum(-1, /*keepdim=*/true), row_) / n;
+    return weight * rms_normalize(input, mean_square, options.eps());
+  }
   const at::Tensor mean = row_sum(input.sum(-1, /*keepdim=*/true), row_) / n;
   const at::Tensor centered = input - mean;
   const at::Tensor var = row_sum(centered.pow(2).sum(-1, /*keepdim=*/true), row_) / n;
@@ -65,7 +71,8 @@ at::Tensor LayerNorm2DImpl::forward(const at::Tensor& input) {
 }
 
 void LayerNorm2DImpl::pretty_print(std::ostream& stream) const {
-  stream << "tessera::nn::LayerNorm2D(hidden=" << options.hidden() << ", q=" << row_->size()
+  stream << "tessera::nn::LayerNorm2D(" << (options.rms() ? "rms, " : "") << "hidden=" << options.hidden()
+         << ", q=" << row_->size()
          << ", eps=" << options.eps() << ")";
 }
 

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace tessera {
 namespace nn {
@@ -126,18 +128,20 @@ MoEImpl::MoEImpl(const MoEOptions& options_, MoEGroups groups, std::shared_ptr<M
 
 void ExpertLinearImpl::reset() {
   weight = register_parameter("weight", at::empty({experts_, out_, in_}));
-  bias = register_parameter("bias", at::zeros({experts_, out_}));
+  if (has_bias_) bias = register_parameter("bias", at::zeros({experts_, out_}));
 }
 
 at::Tensor ExpertLinearImpl::forward(const at::Tensor& x) {
+  if (!bias.defined()) return at::bmm(x, weight.transpose(1, 2));
   return at::baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2));
 }
 
 void MoEImpl::reset() {
   const auto& o = options;
   router = register_module("router", torch::nn::Linear(torch::nn::LinearOptions(o.hidden(), o.experts()).bias(false)));
-  c_fc = register_module("c_fc", ExpertLinear(local_experts_, o.hidden(), o.ffn()));
-  c_proj = register_module("c_proj", ExpertLinear(local_experts_, o.ffn(), o.hidden()));
+  if (o.gated()) c_gate = register_module("c_gate", ExpertLinear(local_experts_, o.hidden(), o.ffn(), o.bias()));
+  c_fc = register_module("c_fc", ExpertLinear(local_experts_, o.hidden(), o.ffn(), o.bias()));
+  c_proj = register_module("c_proj", ExpertLinear(local_experts_, o.ffn(), o.hidden(), o.bias()));
   reset_parameters();
 }
 
@@ -148,7 +152,7 @@ void MoEImpl::reset_parameters() {
     if (name.find(".bias") != std::string::npos) {
       p.param.zero_();
     } else {
-      const double std = name == "c_fc.weight" ? options.init_std() : options.proj_init_std();
+      const double std = name == "c_proj.weight" ? options.proj_init_std() : options.init_std();
       init_blockwise(p, seed_, name, normal_draw(0, std));
     }
   }
@@ -161,10 +165,13 @@ NamedPlacements MoEImpl::local_placements() {
 
 NamedPlacements MoEImpl::expert_placements() {
   NamedPlacements out;
-  const std::pair<const char*, at::Tensor*> params[] = {{"c_fc.weight", &c_fc->weight},
-                                                        {"c_fc.bias", &c_fc->bias},
-                                                        {"c_proj.weight", &c_proj->weight},
-                                                        {"c_proj.bias", &c_proj->bias}};
+  std::vector<std::pair<std::string, at::Tensor*>> params;
+  const std::pair<const char*, ExpertLinear*> layers[] = {{"c_gate", &c_gate}, {"c_fc", &c_fc}, {"c_proj", &c_proj}};
+  for (const auto& [prefix, layer] : layers) {
+    if (layer->is_empty()) continue;
+    params.emplace_back(std::string(prefix) + ".weight", &(*layer)->weight);
+    if ((*layer)->bias.defined()) params.emplace_back(std::string(prefix) + ".bias", &(*layer)->bias);
+  }
   for (const auto& [name, t] : params) {
     if (group_size(groups_.expert) == 1) {
       out.emplace_back(name, replicated_placement(*t));
@@ -214,7 +221,9 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   at::Tensor grouped =
       at::zeros({el * longest, hidden}, rows.options()).index_copy(0, slot, rows.index_select(0, order));
   grouped = grouped.view({el, longest, hidden});
-  const at::Tensor expert_out = c_proj->forward(at::gelu(c_fc->forward(grouped)));
+  const at::Tensor hidden_out = options.gated() ? at::silu(c_gate->forward(grouped)) * c_fc->forward(grouped)
+                                                : at::gelu(c_fc->forward(grouped));
+  const at::Tensor expert_out = c_proj->forward(hidden_out);
   const at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
   at::Tensor back = expert_out.reshape({el * longest, hidden}).index_select(0, slot).index_select(0, inverse);
   if (ep > 1) back = comm::all_to_all_rows(back, recv_splits, send_splits, groups_.expert);

@@ -28,10 +28,12 @@ double stage_forward_flops(const ModelDesc& model, const Plan& plan, const Stage
   const double h = static_cast<double>(model.hidden()), s = static_cast<double>(model.seq());
   const double tokens = static_cast<double>(plan.micro_batch_rows()) * s;
   const double mlp = model.mlp_matrices() * h * model.ffn_width();
+  const double a = static_cast<double>(model.attention_width());
+  const double attention = 2 * h * a + 2 * h * static_cast<double>(model.kv_width());  // q, k, v, output
   double flops = 0;
   for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
     const double mlp_active = model.moe_block(b) ? model.top_k() * mlp + h * model.experts() : mlp;
-    flops += 2 * tokens * (4 * h * h + mlp_active) + 4 * tokens * s * h;
+    flops += 2 * tokens * (attention + mlp_active) + 4 * tokens * s * a;
   }
   if (st.head) flops += 2 * tokens * model.vocab() * h;
   return flops / (c.tensor() * c.sequence());
@@ -60,6 +62,7 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   context::check_shape(context::Layout(c), context::ModelShape()
                                                .hidden(model.hidden())
                                                .heads(model.heads())
+                                               .kv_heads(model.kv_heads())
                                                .ffn(model.ffn_width())
                                                .seq(model.seq())
                                                .experts(model.experts())

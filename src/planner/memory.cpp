@@ -34,7 +34,12 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
                           ? static_cast<double>(model.seq()) / c.sequence()
                           : static_cast<double>(model.seq());
   const double mlp = (model.mlp_matrices() == 3 ? 3.0 : 2.0) * f;
-  const double replicated = 4 * h, split = 4 * h + (model.fused_attention() ? 0.0 : 2.0 * model.heads() * keys) + mlp;
+  // Attention keeps q, k, v and its output (GPT-2: 4h); grouped-query
+  // attention keeps the kv heads before and after their repetition.
+  const double a = static_cast<double>(model.attention_width()), kv = static_cast<double>(model.kv_width());
+  const double attention = kv == a ? 4 * a : 4 * a + 2 * kv;
+  const double replicated = 4 * h,
+               split = attention + (model.fused_attention() ? 0.0 : 2.0 * model.heads() * keys) + mlp;
   const double per_token = c.tensor_mode() == context::TensorMode::k1D ? replicated + split / c.tensor()
                                                                          : (replicated + split) / c.tensor();
   return tokens * per_token * e;

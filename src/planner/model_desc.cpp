@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+
 namespace tessera {
 namespace planner {
 
@@ -17,29 +19,43 @@ int64_t ModelDesc::moe_blocks() const {
   return n;
 }
 
+std::vector<LinearShape> ModelDesc::block_linears() const {
+  const int64_t h = hidden_, a = attention_width(), kv = kv_width(), f = ffn_width();
+  std::vector<LinearShape> out;
+  if (kv == a) {
+    out.push_back({h, 3 * a, false});  // fused q, k, v
+  } else {
+    out.push_back({h, a, false});
+    out.push_back({h, 2 * kv, false});
+  }
+  out.push_back({a, h, true});
+  for (int i = 0; i + 1 < mlp_matrices_; ++i) out.push_back({h, f, false});  // (gate and) up
+  out.push_back({f, h, true});
+  return out;
+}
+
 int64_t ModelDesc::attention_params() const {
-  const int64_t h = hidden_;
-  const int64_t norm = bias_ ? 2 * h : h;
-  return norm + 4 * h * h + (bias_ ? 4 * h : 0);
+  const int64_t h = hidden_, a = attention_width(), kv = kv_width();
+  return norm_params() + 2 * h * a + 2 * h * kv + (qkv_bias_ ? a + 2 * kv : 0) + (bias_ ? h : 0) +
+         (qk_norm_ ? 2 * head_size() : 0);
 }
 
 int64_t ModelDesc::mlp_params() const {
   const int64_t h = hidden_, f = ffn_width();
-  const int64_t norm = bias_ ? 2 * h : h;
-  return norm + mlp_matrices_ * h * f + (bias_ ? (mlp_matrices_ - 1) * f + h : 0);
+  return norm_params() + mlp_matrices_ * h * f + (bias_ ? (mlp_matrices_ - 1) * f + h : 0);
 }
 
 int64_t ModelDesc::router_params() const { return hidden_ * experts_; }
 
 int64_t ModelDesc::block_params(int64_t block) const {
   if (!moe_block(block)) return attention_params() + mlp_params();
-  const int64_t norm = bias_ ? 2 * hidden_ : hidden_;
+  const int64_t norm = norm_params();
   return attention_params() + norm + router_params() + experts_ * (mlp_params() - norm);
 }
 
 int64_t ModelDesc::embedding_params() const { return (vocab_ + positions_) * hidden_; }
 
-int64_t ModelDesc::head_params() const { return (bias_ ? 2 : 1) * hidden_ + (tied_ ? 0 : vocab_ * hidden_); }
+int64_t ModelDesc::head_params() const { return norm_params() + (tied_ ? 0 : vocab_ * hidden_); }
 
 int64_t ModelDesc::params() const {
   if (opaque()) return opaque_params_;
@@ -50,7 +66,7 @@ int64_t ModelDesc::params() const {
 
 int64_t ModelDesc::active_params() const {
   if (opaque()) return opaque_params_;
-  const int64_t norm = bias_ ? 2 * hidden_ : hidden_;
+  const int64_t norm = norm_params();
   const int64_t moe_active = attention_params() + norm + router_params() + top_k_ * (mlp_params() - norm);
   return params() + moe_blocks() * (moe_active - block_params(moe_every_ - 1));
 }
@@ -60,16 +76,17 @@ double ModelDesc::flops_per_sequence() const {
   // Matmul parameters: everything but norms, biases and the position table;
   // the token embedding counts once, as the LM head's matmul.
   const double h = static_cast<double>(hidden_);
-  const double norms = (bias_ ? 2.0 : 1.0) * h * (2 * layers_ + 1);
-  double biases = 0;
+  const double norms = static_cast<double>(norm_params()) * (2 * layers_ + 1) +
+                       (qk_norm_ ? 2.0 * static_cast<double>(head_size()) * layers_ : 0.0);
+  double biases = qkv_bias_ ? static_cast<double>(layers_ * (attention_width() + 2 * kv_width())) : 0.0;
   if (bias_) {
-    biases = layers_ * (4 * h + (mlp_matrices_ - 1) * ffn_width() + h);
+    biases += layers_ * (h + (mlp_matrices_ - 1) * ffn_width() + h);
     biases += static_cast<double>(moe_blocks()) * (top_k_ - 1) * ((mlp_matrices_ - 1) * ffn_width() + h);
   }
   double matmul = static_cast<double>(active_params()) - norms - biases - static_cast<double>(positions_) * h;
   if (!tied_) matmul -= static_cast<double>(vocab_) * h;  // the input embedding is a lookup
   const double s = static_cast<double>(seq_);
-  return s * (6.0 * matmul + 12.0 * static_cast<double>(layers_) * h * s);
+  return s * (6.0 * matmul + 12.0 * static_cast<double>(layers_) * static_cast<double>(attention_width()) * s);
 }
 
 ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
@@ -81,9 +98,17 @@ ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
       .hidden(config.hidden())
       .heads(config.heads())
       .vocab(config.vocab())
-      .positions(config.context())
+      .positions(config.positions() == models::Positions::kLearned ? config.context() : 0)
       .seq(seq == 0 ? config.context() : seq)
       .tied(config.tied())
+      .ffn(config.ffn_size())
+      .mlp_matrices(config.mlp() == nn::MLPKind::kSwiGLU ? 3 : 2)
+      .bias(config.bias())
+      .qkv_bias(config.qkv_bias())
+      .rms_norm(config.norm() == nn::NormKind::kRMSNorm)
+      .kv_heads(config.num_kv_heads())
+      .head_dim(config.dim_per_head())
+      .qk_norm(config.qk_norm())
       .experts(config.experts())
       .moe_every(config.moe_every())
       .top_k(config.top_k())
@@ -107,19 +132,24 @@ ModelDesc ModelDesc::preset(const std::string& name, int64_t seq) {
         .seq(seq)
         .tied(false)
         .mlp_matrices(3)
-        .bias(false);
+        .bias(false)
+        .qkv_bias(false)
+        .rms_norm(true);
   };
   if (name == "llama-7b") return llama(32, 4096, 32, 11008);
   if (name == "llama-13b") return llama(40, 5120, 40, 13824);
   if (name == "llama-30b") return llama(60, 6656, 52, 17920);
   if (name == "llama-65b") return llama(80, 8192, 64, 22016);
-  if (name.rfind("gpt-", 0) == 0) {
-    models::GPTConfig c = models::GPTConfig::preset(name.substr(4));
+  const auto family = models::GPTConfig::preset_names();
+  const bool gpt2 = name.rfind("gpt-", 0) == 0;  // family's first three are GPT-2's, named gpt-*
+  if (gpt2 || std::find(family.begin() + 3, family.end(), name) != family.end()) {
+    models::GPTConfig c = models::GPTConfig::preset(gpt2 ? name.substr(4) : name);
     c.context(std::max(c.context(), seq));
     return gpt(c, seq).name(name);
   }
-  TORCH_CHECK(false, "planner: unknown model preset '", name,
-              "'; presets: llama-7b, llama-13b, llama-30b, llama-65b, gpt-tiny, gpt-small, gpt-medium");
+  std::string names = "llama-7b, llama-13b, llama-30b, llama-65b, gpt-tiny, gpt-small, gpt-medium";
+  for (auto it = family.begin() + 3; it != family.end(); ++it) names += ", " + *it;
+  TORCH_CHECK(false, "planner: unknown model preset '", name, "'; presets: ", names);
 }
 
 ModelDesc ModelDesc::from_module(const torch::nn::Module& module) {

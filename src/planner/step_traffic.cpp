@@ -86,23 +86,33 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
   const auto& c = plan.grid;
   const int tp = c.tensor();
   const double h = static_cast<double>(model.hidden()), f = static_cast<double>(model.ffn_width());
+  const double a = static_cast<double>(model.attention_width()), kv = static_cast<double>(model.kv_width());
+  const double d = static_cast<double>(model.head_size());
   const int m = model.mlp_matrices();
-  const double norm = model.bias() ? 2 * h : h;
-  const double attn_w = 4 * h * h, mlp_w = m * h * f;
-  // Column-parallel biases (qkv, fc/gate/up) and row-parallel ones (the two output projections).
-  const double attn_col_b = model.bias() ? 3 * h : 0, attn_row_b = model.bias() ? h : 0;
-  const double mlp_col_b = model.bias() ? (m - 1) * f : 0, mlp_row_b = model.bias() ? h : 0;
+  const double norm = static_cast<double>(model.norm_params());
   const bool one_d = c.tensor_mode() == TensorMode::k1D;
   const int q = detail::rank_grid(c).q(), depth = c.tensor_mode() == TensorMode::k2p5D ? c.tensor_depth() : 1;
   // Matrices split over the tensor group (2.5D: replicated over depth);
   // vectors over the hidden blocks (q), whole in 1D except column biases.
   const double mat_div = detail::rank_grid(c).hidden_blocks(), vec_div = one_d ? 1 : q;
+  // 1D with fewer kv heads than ranks holds one kv head per rank (Note
+  // [Replicated key/value heads]): counted here as mat_div (and tp) times
+  // that head, so that the divisions below leave one.
+  const bool kv_replicated = one_d && (kv / d) < tp;
+  const double kv_rows = kv_replicated ? 2 * d * tp : 2 * kv;
+  const double attn_w = 2 * h * a + h * kv_rows, mlp_w = m * h * f;
+  // Column-parallel biases (qkv, fc/gate/up) and row-parallel ones (the two output projections).
+  const double attn_col_b = model.qkv_bias() ? a + kv_rows : 0, attn_row_b = model.bias() ? h : 0;
+  const double mlp_col_b = model.bias() ? (m - 1) * f : 0, mlp_row_b = model.bias() ? h : 0;
+  // Qwen 3's per-head norms: whole on every rank, partial over every tensor group.
+  const double head_norm = model.qk_norm() ? 2 * d : 0;
   const int64_t vocab_unit = detail::rank_grid(c).vocab_unit();
-  double weights = 0, col_b = 0, replicated = 0;  // this rank's, unsplit by vec_div for vectors
+  double weights = 0, col_b = 0, replicated = 0, head_norms = 0;  // this rank's, unsplit by vec_div for vectors
   for (const StageShape& st : stages_of(model, plan, pp_rank)) {
     for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
       weights += attn_w / mat_div;
       col_b += attn_col_b;
+      head_norms += head_norm;
       replicated += 2 * norm + attn_row_b;
       if (model.moe_block(b)) {
         lp.dense += model.router_params();
@@ -124,19 +134,25 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
     }
   }
   const double col = one_d ? col_b / tp : col_b / vec_div, rep = replicated / vec_div;
-  lp.dense += weights + col + rep;
+  const double hn = head_norms;
+  lp.dense += weights + col + rep + hn;
   switch (c.tensor_mode()) {
     case TensorMode::k1D:
+      if (hn > 0 && tp > 1) lp.partial = {{ParallelMode::kTensor, hn}};
       break;
     case TensorMode::k2D:
-      lp.partial = {{ParallelMode::k2DCol, col + rep}};
+      lp.partial = {{ParallelMode::k2DCol, col + rep + hn}};
+      if (hn > 0) lp.partial.emplace_back(ParallelMode::k2DRow, hn);
       break;
     case TensorMode::k2p5D:
-      lp.partial = {{ParallelMode::k2p5DCol, col + rep}};
-      if (depth > 1) lp.partial.emplace_back(ParallelMode::k2p5DDep, weights + col + rep);
+      lp.partial = {{ParallelMode::k2p5DCol, col + rep + hn}};
+      if (hn > 0) lp.partial.emplace_back(ParallelMode::k2p5DRow, hn);
+      if (depth > 1) lp.partial.emplace_back(ParallelMode::k2p5DDep, weights + col + rep + hn);
       break;
     case TensorMode::k3D:  // Linear3D's bias is partial over its output and weight groups
-      lp.partial = {{ParallelMode::k3DInput, rep}, {ParallelMode::k3DOutput, col}, {ParallelMode::k3DWeight, col + rep}};
+      lp.partial = {{ParallelMode::k3DInput, rep + hn},
+                    {ParallelMode::k3DOutput, col + hn},
+                    {ParallelMode::k3DWeight, col + rep + hn}};
       break;
   }
   return lp;

@@ -133,14 +133,21 @@ void grid_traffic(const TrafficInput& in, Traffic& out, bool deep) {
   const double Vq = static_cast<double>(pad_to(in.model.vocab(), q) / q);
   const double L = static_cast<double>(in.stage.blocks);
   const bool head = in.stage.head, embed = in.stage.embed;
-  const double acts = 7 * L * T * H + (head ? T * Vq : 0);
-  const double weights = 12 * L * h * h / (q * q) + (head ? Vq * H : 0);
+  // Per linear: its input broadcast along rows twice and reduced once, its
+  // weight broadcast along columns twice and reduced once (summa.cpp).
+  double inputs = 0, products = 0;
+  for (const auto& l : in.model.block_linears()) inputs += l.in, products += static_cast<double>(l.in) * l.out;
+  const double acts = L * T * inputs / q + (head ? T * Vq : 0);
+  const double weights = L * products / (q * q) + (head ? Vq * H : 0);
+  // Each norm's statistics (LayerNorm: mean and variance; RMSNorm: the mean
+  // square), summed forward and backward.
+  const double stats = in.model.rms_norm() ? 2 : 4;
   const ParallelMode row = deep ? ParallelMode::k2p5DRow : ParallelMode::k2DRow;
   const ParallelMode col = deep ? ParallelMode::k2p5DCol : ParallelMode::k2DCol;
   const double e = in.act_bytes;
   out.add("tensor", row, mname(row), q, OpType::kBroadcast, 1, 2 * q * acts, e);
   out.add("tensor", row, mname(row), q, OpType::kReduce, 1, q * acts, e);
-  out.add("tensor", row, mname(row), q, OpType::kAllReduce, 1, 8 * L * T + (head ? 7 * T : 0), 4);
+  out.add("tensor", row, mname(row), q, OpType::kAllReduce, 1, 2 * stats * L * T + (head ? (stats + 3) * T : 0), 4);
   out.add("tensor", col, mname(col), q, OpType::kBroadcast, 1, 2 * q * weights, e);
   out.add("tensor", col, mname(col), q, OpType::kReduce, 1, q * weights, e);
   if (embed) {
@@ -168,17 +175,26 @@ void tensor_traffic_3d(const TrafficInput& in, Traffic& out) {
   const double L = static_cast<double>(in.stage.blocks);
   const bool head = in.stage.head, embed = in.stage.embed;
   const double e = in.act_bytes;
+  // A column-role layer gathers its input along 3d_input and scatters its
+  // output along 3d_output; a row-role layer the other way round.
+  double on_input = 0, on_output = 0, products = 0;
+  for (const auto& l : in.model.block_linears()) {
+    on_input += l.row ? l.out : l.in;
+    on_output += l.row ? l.in : l.out;
+    products += static_cast<double>(l.in) * l.out;
+  }
   for (OpType op : {OpType::kAllGather, OpType::kReduceScatter}) {
     out.add("tensor", ParallelMode::k3DInput, mname(ParallelMode::k3DInput), q, op, 1,
-            (4 * L + (embed ? 1 : 0) + (head ? 1 : 0)) * T * h, e);
+            (L * on_input + ((embed ? 1 : 0) + (head ? 1 : 0)) * h) * T, e);
     out.add("tensor", ParallelMode::k3DOutput, mname(ParallelMode::k3DOutput), q, op, 1,
-            12 * L * T * h + (head ? T * Vp : 0), e);
+            L * T * on_output + (head ? T * Vp : 0), e);
     out.add("tensor", ParallelMode::k3DWeight, mname(ParallelMode::k3DWeight), q, op, 1,
-            (12 * L * h * h + ((embed ? 1 : 0) + (head ? 1 : 0)) * Vp * h) / (q * q), e);
+            (L * products + ((embed ? 1 : 0) + (head ? 1 : 0)) * Vp * h) / (q * q), e);
   }
+  const double stats = in.model.rms_norm() ? 2 : 4;  // as grid_traffic's
   if (head) out.add("tensor", ParallelMode::k3DInput, mname(ParallelMode::k3DInput), q, OpType::kAllReduce, 1, 3 * T, 4);
   out.add("tensor", ParallelMode::k3DOutput, mname(ParallelMode::k3DOutput), q, OpType::kAllReduce, 1,
-          8 * L * T + (head ? 4 * T : 0), 4);
+          2 * stats * L * T + (head ? stats * T : 0), 4);
   if (head)
     out.add("tensor", ParallelMode::k3DOutputWeight, mname(ParallelMode::k3DOutputWeight), q * q, OpType::kAllReduce,
             1, 1, 4);
@@ -187,7 +203,7 @@ void tensor_traffic_3d(const TrafficInput& in, Traffic& out) {
 namespace {
 // Per block, elements of one rank's [rows, n/p, h/tp] attention input: E.
 double sequence_e(const TrafficInput& in) {
-  return in.rows * (in.model.seq() / in.plan.grid.sequence()) * in.model.hidden() / in.plan.grid.tensor();
+  return in.rows * (in.model.seq() / in.plan.grid.sequence()) * in.model.attention_width() / in.plan.grid.tensor();
 }
 void sequence_common(const TrafficInput& in, Traffic& out) {
   // The loss: this rank's summed cross entropy over the sequence group, and

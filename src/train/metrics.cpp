@@ -1,6 +1,7 @@
 #include "tessera/train/metrics.h"
 
 #include "tessera/models/gpt.h"
+#include "tessera/planner/model_desc.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -36,15 +37,10 @@ void MetricsLog::print(const std::string& line) const {
 }
 
 double gpt_flops_per_token(const models::GPTConfig& c, int64_t seq) {
-  const double h = static_cast<double>(c.hidden()), l = static_cast<double>(c.layers());
-  const double per_block = 12.0 * h * h + 13.0 * h;  // attention 4h² + MLP 8h², biases and norms
-  // Active parameters: a MoE block runs top_k experts (each the MLP's 8h² + 5h) and its router (E·h).
-  double moe_blocks = 0;
-  for (int64_t i = 0; i < c.layers(); ++i) moe_blocks += c.moe_block(i) ? 1.0 : 0.0;
-  const double moe_extra = static_cast<double>(c.top_k() - 1) * (8.0 * h * h + 5.0 * h) + static_cast<double>(c.experts()) * h;
-  const double n = static_cast<double>(c.vocab()) * h + l * per_block + moe_blocks * moe_extra +
-                   2.0 * h;  // wte (tied head), blocks, ln_f
-  return 6.0 * n + 12.0 * l * h * static_cast<double>(seq);
+  // One formula for every preset: the planner's (grouped-query attention,
+  // SwiGLU, untied heads and experts included).
+  return planner::ModelDesc::gpt(models::GPTConfig(c).context(std::max(c.context(), seq)), seq).flops_per_sequence() /
+         static_cast<double>(seq);
 }
 
 double measured_matmul_flops(int64_t n, int repeats) {

@@ -51,16 +51,80 @@ void grid_options(cli::Command& c, RunOptions& r) {
   c.add("offload-params", &r.offload_params(), "parameter shards in host memory between uses (ZeRO-3 offload)");
 }
 
+using ConfigField = std::function<void(models::GPTConfig& to, const models::GPTConfig& from)>;
+#define TESSERA_FIELD(name) [](models::GPTConfig& to, const models::GPTConfig& from) { to.name(from.name()); }
+
+// The model flags that a --model preset also sets, and how each is copied.
+const std::vector<std::pair<std::string, ConfigField>>& preset_fields() {
+  static const std::vector<std::pair<std::string, ConfigField>> fields = {
+      {"layers", TESSERA_FIELD(layers)},
+      {"heads", TESSERA_FIELD(heads)},
+      {"hidden", TESSERA_FIELD(hidden)},
+      {"kv-heads", TESSERA_FIELD(kv_heads)},
+      {"head-dim", TESSERA_FIELD(head_dim)},
+      {"ffn", TESSERA_FIELD(ffn)},
+      {"norm", TESSERA_FIELD(norm)},
+      {"norm-eps", TESSERA_FIELD(norm_eps)},
+      {"positions", TESSERA_FIELD(positions)},
+      {"rope-theta", TESSERA_FIELD(rope_theta)},
+      {"mlp", TESSERA_FIELD(mlp)},
+      {"bias", TESSERA_FIELD(bias)},
+      {"qkv-bias", TESSERA_FIELD(qkv_bias)},
+      {"qk-norm", TESSERA_FIELD(qk_norm)},
+      {"tied", TESSERA_FIELD(tied)},
+      {"experts", TESSERA_FIELD(experts)},
+      {"top-k", TESSERA_FIELD(top_k)},
+      {"renormalize", TESSERA_FIELD(renormalize)},
+      {"moe-every", TESSERA_FIELD(moe_every)},
+      {"capacity-factor", TESSERA_FIELD(capacity_factor)},
+      {"drop-policy", TESSERA_FIELD(drop_policy)},
+      {"aux-loss-coef", TESSERA_FIELD(aux_loss_coef)},
+      {"z-loss-coef", TESSERA_FIELD(z_loss_coef)}};
+  return fields;
+}
+#undef TESSERA_FIELD
+
+// --model PRESET: the preset's architecture and sizes, with the model flags
+// given beside it on top. The training window (--seq), the vocabulary (the
+// data's), dropout and checkpointing stay the run's.
+void apply_model_preset(const cli::Command& parsed, RunOptions& r) {
+  if (r.model_preset().empty()) return;
+  const models::GPTConfig& m = r.model();
+  models::GPTConfig p = models::GPTConfig::preset(r.model_preset());
+  p.context(m.context()).vocab(m.vocab()).dropout(m.dropout()).checkpoint_activations(m.checkpoint_activations());
+  for (const auto& [flag, copy] : preset_fields())
+    if (parsed.given(flag)) copy(p, m);
+  r.model(p);
+}
+
 void model_options(cli::Command& c, RunOptions& r) {
   models::GPTConfig& m = r.model();
   c.group("Model");
+  c.add("model", &r.model_preset(), "start from a preset's architecture and sizes (docs/models.md); the model flags "
+        "given beside it win", models::GPTConfig::preset_names());
   c.add("layers", &m.layers(), "transformer blocks");
   c.add("heads", &m.heads(), "attention heads");
+  c.add("kv-heads", &m.kv_heads(), "key/value heads (grouped-query attention); 0: as many as heads");
+  c.add("head-dim", &m.head_dim(), "dimension of a head; 0: hidden / heads");
   c.add("hidden", &m.hidden(), "hidden size");
+  c.add("ffn", &m.ffn(), "MLP width; 0: 4 x hidden");
+  c.add_enum("norm", &m.norm(), "normalization", {"layernorm", "rmsnorm"},
+             {nn::NormKind::kLayerNorm, nn::NormKind::kRMSNorm});
+  c.add("norm-eps", &m.norm_eps(), "the norms' epsilon");
+  c.add_enum("positions", &m.positions(), "learned position embeddings, or rotary ones on q and k",
+             {"learned", "rotary"}, {models::Positions::kLearned, models::Positions::kRotary});
+  c.add("rope-theta", &m.rope_theta(), "rotary base");
+  c.add_enum("mlp", &m.mlp(), "MLP: GELU, or SwiGLU (Llama)", {"gelu", "swiglu"},
+             {nn::MLPKind::kGelu, nn::MLPKind::kSwiGLU});
+  c.add("bias", &m.bias(), "biases on the attention output and MLP linears");
+  c.add("qkv-bias", &m.qkv_bias(), "biases on the q/k/v projection");
+  c.add("qk-norm", &m.qk_norm(), "RMSNorm on each head's q and k (Qwen 3)");
+  c.add("tied", &m.tied(), "the LM head shares the token embedding");
   c.add("seq", &m.context(), "sequence length of a training window, and the model's context");
   c.add("dropout", &m.dropout(), "dropout probability");
   c.add("experts", &m.experts(), "experts per mixture-of-experts block; 0: a dense model");
   c.add("top-k", &m.top_k(), "experts each token is routed to");
+  c.add("renormalize", &m.renormalize(), "renormalize the top-k gates to sum to 1 (Mixtral)");
   c.add("moe-every", &m.moe_every(), "every n-th block has experts");
   c.add("capacity-factor", &m.capacity_factor(), "expert capacity over the mean load", "FLOAT|dropless",
         parse_capacity, show_capacity);
@@ -179,6 +243,7 @@ void RunOptions::check(int world_size) const {
                                     {"save-every", save_every()}})
     TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
   TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());
+  model().check();  // the architecture's rules (kv heads, rotary head dimension, MoE options on a dense model)
   TORCH_CHECK((offload() == Offload::kDisk) == !offload_dir().empty(),
               offload() == Offload::kDisk ? "--offload disk needs --offload-dir DIR (a directory on a local disk)"
                                           : "--offload-dir is only read with --offload disk");
@@ -217,6 +282,7 @@ cli::Command run_command(const std::string& name, const std::string& summary, Ru
   cli::Command c(name, summary);
   grid_options(c, run);
   model_options(c, run);
+  c.on_parsed([&run](const cli::Command& parsed) { apply_model_preset(parsed, run); });
   optimizer_options(c, run);
   data_options(c, run);
   planner_options(c, run);

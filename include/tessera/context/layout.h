@@ -40,6 +40,8 @@ void check_supported(const Layout& layout);
 struct ModelShape {
   TORCH_ARG(int64_t, hidden) = 0;
   TORCH_ARG(int64_t, heads) = 0;
+  // Key/value heads (grouped-query attention); 0: as many as heads.
+  TORCH_ARG(int64_t, kv_heads) = 0;
   TORCH_ARG(int64_t, ffn) = 0;
   TORCH_ARG(int64_t, seq) = 0;
   // Mixture-of-experts experts per MoE block (0: a dense model).

@@ -1,18 +1,27 @@
 #pragma once
-// A GPT-2-style language model written once against nn::LayerFactory: token
-// and position embeddings, N pre-LayerNorm blocks of causal multi-head
-// self-attention (heads split across tensor ranks) and a 4h GELU MLP, final
-// LayerNorm, an LM head tied to the token embedding by option, and the loss.
+// The decoder-only transformer, written once against nn::LayerFactory: GPT-2
+// and the Llama family (Llama 3, Mistral, Qwen 2/3, Mixtral) are presets of
+// one configuration (docs/models.md). Token embeddings (and learned positions,
+// or rotary ones applied to q and k), N pre-norm blocks of causal attention
+// (multi-head, grouped-query or multi-query; heads split across tensor
+// ranks) and an MLP (4h GELU or SwiGLU) or a mixture of experts, a final
+// norm, an LM head tied to the token embedding or its own, and the loss.
 // With a factory over a size-1 group it is the serial model.
 //
 // Note [GPT full weights]
 // full_state() / load_full_state() use GPT-2's names ("wte.weight",
-// "h.0.attn.c_attn.weight", ...) with unsharded shapes. One layout differs
-// from Hugging Face's checkpoint: c_attn's [3h, h] rows are grouped per head
-// (head 0's q, k, v rows, then head 1's, ...), so that contiguous row shards
-// give each tensor rank whole heads; Linear weights are [out, in] as in
-// torch::nn::Linear (Hugging Face's Conv1D stores them transposed).
+// "h.0.attn.c_attn.weight", ...) with unsharded shapes, whatever the preset.
+// Multi-head attention keeps GPT-2's fused c_attn, whose [3·H·d, h] rows are
+// grouped per head (head 0's q, k, v rows, then head 1's, ...), so that
+// contiguous row shards give each tensor rank whole heads. Grouped-query
+// attention has attn.q_proj [H·d, h] (rows per head) and attn.kv_proj
+// [2·K·d, h] (rows per kv head: its k rows, then its v rows). A SwiGLU MLP
+// has mlp.c_gate (gate_proj), mlp.c_fc (up_proj), mlp.c_proj (down_proj);
+// Qwen 3's per-head norms are attn.q_norm and attn.k_norm. Linear weights
+// are [out, in] as in torch::nn::Linear (Hugging Face's GPT-2 Conv1D stores
+// them transposed); rotary models use Hugging Face's half-split rotation.
 #include "tessera/nn/layer_factory.h"
+#include "tessera/nn/rotary.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -28,7 +37,11 @@
 namespace tessera {
 namespace models {
 
+// How a decoder knows where its tokens are.
+enum class Positions { kLearned, kRotary };
+
 // Built in LibTorch's options style: GPTConfig().layers(2).hidden(64).heads(4).
+// The defaults are GPT-2's.
 struct GPTConfig {
   TORCH_ARG(int64_t, vocab) = 50257;
   TORCH_ARG(int64_t, context) = 1024;
@@ -37,14 +50,33 @@ struct GPTConfig {
   TORCH_ARG(int64_t, hidden) = 768;
   TORCH_ARG(double, dropout) = 0.0;
   TORCH_ARG(bool, tied) = true;
+  // Architecture (docs/models.md). kv_heads 0: heads (multi-head attention);
+  // head_dim 0: hidden / heads; ffn 0: 4 · hidden.
+  TORCH_ARG(nn::NormKind, norm) = nn::NormKind::kLayerNorm;
+  TORCH_ARG(double, norm_eps) = 1e-5;
+  TORCH_ARG(Positions, positions) = Positions::kLearned;
+  TORCH_ARG(double, rope_theta) = 10000.0;
+  TORCH_ARG(c10::optional<nn::Llama3RopeScaling>, rope_scaling) = c10::nullopt;
+  TORCH_ARG(int64_t, kv_heads) = 0;
+  TORCH_ARG(int64_t, head_dim) = 0;
+  TORCH_ARG(nn::MLPKind, mlp) = nn::MLPKind::kGelu;
+  TORCH_ARG(int64_t, ffn) = 0;
+  // Biases of the attention output and MLP linears (GPT-2: yes; Llama,
+  // Qwen: no), and of the q/k/v projection (GPT-2, Qwen 2: yes).
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, qkv_bias) = true;
+  // Qwen 3: RMSNorm over each head's q and k before the rotation.
+  TORCH_ARG(bool, qk_norm) = false;
   // Recompute each block's activations in backward instead of keeping them
   // (nn/activation_checkpoint.h): one more block forward per backward, the
   // same gradients, dropout included.
   TORCH_ARG(bool, checkpoint_activations) = false;
   // Mixture of experts (nn/moe.h, docs/expert-parallel.md): with experts > 0
   // every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...) has a
-  // MoE layer of `experts` experts (each a 4h GELU MLP) in place of its MLP,
-  // routing each token to top_k of them; capacity_factor nullopt: dropless.
+  // MoE layer of `experts` experts (each an MLP of the config's kind, ffn and
+  // bias) in place of its MLP, routing each token to top_k of them (softmax
+  // over all experts, then top k, renormalized by option: Mixtral's router);
+  // capacity_factor nullopt: dropless.
   TORCH_ARG(int64_t, experts) = 0;
   TORCH_ARG(int64_t, moe_every) = 1;
   TORCH_ARG(int64_t, top_k) = 1;
@@ -57,9 +89,22 @@ struct GPTConfig {
  public:
   GPTConfig() = default;
   bool moe_block(int64_t block) const { return experts_ > 0 && (block + 1) % moe_every_ == 0; }
+  // The sizes with their defaults resolved.
+  int64_t num_kv_heads() const { return kv_heads_ > 0 ? kv_heads_ : heads_; }
+  int64_t dim_per_head() const { return head_dim_ > 0 ? head_dim_ : (heads_ > 0 ? hidden_ / heads_ : 0); }
+  int64_t ffn_size() const { return ffn_ > 0 ? ffn_ : 4 * hidden_; }
+  // Grouped-query (or multi-query) attention: separate q and kv projections.
+  bool grouped_attention() const { return num_kv_heads() != heads_; }
+  // Refuses an inconsistent configuration, naming the value and the rule.
+  void check() const;
 
-  // "tiny" (tests), "small" (GPT-2 124M), "medium" (GPT-2 350M).
+  // GPT-2: "tiny" (tests), "small" (124M), "medium" (350M). Llama family:
+  // "llama3-8b", "llama3-70b" (Llama 3.1, rope scaling), "qwen2.5-7b",
+  // "qwen3-8b", "mistral-7b" (v0.3), "mixtral-8x7b"; and test-sized ones of
+  // the same architectures: "llama-tiny", "mistral-tiny", "qwen2-tiny",
+  // "qwen3-tiny", "mixtral-tiny".
   static GPTConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();  // GPT-2's three first
 };
 
 // The load balance of a model's last MoE forward, over the ranks of a
@@ -122,7 +167,7 @@ class GPTImpl : public torch::nn::Module {
  private:
   GPTConfig config_;
   std::shared_ptr<nn::LayerFactory> factory_;
-  torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;
+  torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;  // wpe_ empty with rotary positions
   std::vector<std::shared_ptr<GPTBlockImpl>> blocks_;
   std::shared_ptr<nn::MoELossScale> aux_loss_scale_ = std::make_shared<nn::MoELossScale>();
 };

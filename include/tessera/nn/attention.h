@@ -8,6 +8,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace tessera {
 namespace nn {
@@ -32,14 +33,25 @@ class LocalAttentionImpl : public torch::nn::Module {
 
 TORCH_MODULE(LocalAttention);
 
-// The mlp slot: c_proj(gelu(c_fc(x))), the two linears made by a factory
-// (column then row in 1D), so that block layout goes in and comes out.
+// The MLP of a block: GPT-2's c_proj(gelu(c_fc(x))), or Llama's SwiGLU
+// c_proj(silu(c_gate(x)) · c_fc(x)) (Shazeer 2020; c_gate is Hugging Face's
+// gate_proj, c_fc its up_proj, c_proj its down_proj).
+enum class MLPKind { kGelu, kSwiGLU };
+
+// The mlp slot: the linears made by a factory (column, then row in 1D), so
+// that block layout goes in and comes out.
 class MLPImpl : public torch::nn::Module {
  public:
   MLPImpl(torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj);
+  // SwiGLU: c_gate and c_fc read entry(x) (LayerFactory::column_entry).
+  MLPImpl(torch::nn::AnyModule c_gate, torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj,
+          std::function<at::Tensor(const at::Tensor&)> entry);
   at::Tensor forward(const at::Tensor& x);
 
-  torch::nn::AnyModule c_fc, c_proj;
+  torch::nn::AnyModule c_gate, c_fc, c_proj;  // c_gate empty for GELU
+
+ private:
+  std::function<at::Tensor(const at::Tensor&)> entry_;
 };
 
 TORCH_MODULE(MLP);

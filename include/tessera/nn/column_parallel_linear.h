@@ -38,6 +38,11 @@ struct ColumnParallelLinearOptions {
   // Input is this rank's sequence shard (Note [1D activation layouts]).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(int64_t, sequence_dim) = 1;  // [batch, sequence, hidden]
+  // The input has entered the parallel region already (copy_to_group, or the
+  // sequence all-gather, done once by the caller: LayerFactory::column_entry),
+  // so that several column layers reading one input share that collective
+  // and its backward.
+  TORCH_ARG(bool, input_entered) = false;
   // Draw the weights blockwise from this seed (Note [Layout-independent
   // initialization]: no full tensor, the same whatever the layout) instead of
   // drawing the full tensors as LibTorch's layer does.

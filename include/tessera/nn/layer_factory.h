@@ -24,12 +24,21 @@
 //   layout) are where sequence-parallel attention plugs in without a change
 //   to the model; moe (block layout -> block layout, a mixture-of-experts
 //   layer in place of mlp) is the expert slot.
+// - Grouped-query attention: the key/value projection (kv_linear) splits
+//   its kv heads like the query heads where the head split divides them;
+//   where it does not, 1D gives each rank the one kv head its query heads
+//   share, replicated over the ranks that share it, with its gradient
+//   summed over them (Note [Replicated key/value heads] in
+//   src/nn/layer_factory_1d.cpp). Rotary positions are applied by the model
+//   to q and k with attention_positions(), so every mode rotates each token
+//   by its place in the whole sequence.
 // - lm_logits gives logits on this rank's vocabulary shard; loss takes them
 //   with full targets [b, s].
 // - Factory-made layers are initialized blockwise from seeds drawn from the
 //   default generator (Note [Layout-independent initialization]).
 #include "tessera/comm/communicator.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/nn/attention.h"
 #include "tessera/nn/moe.h"
 #include "tessera/nn/placement.h"
 
@@ -37,6 +46,7 @@
 #include <torch/nn/modules/container/any.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,7 +54,9 @@
 namespace tessera {
 namespace nn {
 
-enum class LinearRole { kColumn, kRow };
+// kColumnEntered: a column layer whose input went through column_entry().
+enum class LinearRole { kColumn, kRow, kColumnEntered };
+enum class NormKind { kLayerNorm, kRMSNorm };
 // Where a dropout sits: on block-layout activations, or on activations
 // sharded over the tensor group (heads, features) — Note [Dropout seeds].
 enum class DropoutSite { kBlock, kSharded };
@@ -61,14 +73,38 @@ class LayerFactory {
   // The sequence positions [0, seq_len) this rank's block layout holds.
   virtual at::Tensor positions(int64_t seq_len) const = 0;
   virtual int64_t local_heads(int64_t heads) const = 0;
+  // How many ways attention heads are split (local_heads(h) = h / head_split()).
+  virtual int64_t head_split() const = 0;
+  // Key/value heads on this rank: kv_heads / head_split(), or 1 where the
+  // split does not divide them (each rank holds the kv head its query heads
+  // share; only where kv_linear accepted that).
+  int64_t local_kv_heads(int64_t kv_heads) const;
   // The sequence positions of the `tokens` tokens that this rank's
   // attention sees (c_attn's output), for core_attention.
   virtual at::Tensor attention_positions(int64_t tokens) const = 0;
 
   virtual torch::nn::AnyModule linear(int64_t in, int64_t out, LinearRole role, bool bias) = 0;
+  // What a column layer does to its input before its matmul (1D: copy_to_group,
+  // or the sequence all-gather of the variant; identity where the layers have
+  // no such step), for several kColumnEntered layers reading one input: q and
+  // kv projections, SwiGLU's gate and up. One collective, one backward
+  // all-reduce, instead of one per layer. Holds no reference to the factory.
+  virtual std::function<at::Tensor(const at::Tensor&)> column_entry() const;
   // Token ids [b, s] (full) -> block layout [.., dim].
   virtual torch::nn::AnyModule vocab_embedding(int64_t vocab, int64_t dim) = 0;
-  virtual torch::nn::AnyModule layer_norm(int64_t dim) = 0;
+  // LayerNorm (weight and bias) or RMSNorm (weight) over the hidden
+  // dimension of block-layout activations.
+  virtual torch::nn::AnyModule norm(int64_t dim, NormKind kind, double eps) = 0;
+  torch::nn::AnyModule layer_norm(int64_t dim) { return norm(dim, NormKind::kLayerNorm, 1e-5); }
+  // RMSNorm over head_dim of q or k [b, local heads, tokens, head_dim]
+  // (Qwen 3): one weight for every head, its gradient partial over whatever
+  // splits heads and tokens (head_param).
+  virtual torch::nn::AnyModule head_norm(int64_t head_dim, double eps);
+  // The key/value projection of grouped-query attention: column_entry()'s
+  // output -> [.., local_kv_heads(kv_heads) · rows_per_head], rows grouped
+  // per kv head. The default: linear(kColumnEntered) where head_split()
+  // divides kv_heads, and a refusal otherwise.
+  virtual torch::nn::AnyModule kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias);
   // Positions [s_local] -> [s_local, dim], replicated table.
   virtual torch::nn::AnyModule position_embedding(int64_t context, int64_t dim) = 0;
   virtual torch::nn::AnyModule dropout(double p, DropoutSite site) = 0;
@@ -77,13 +113,13 @@ class LayerFactory {
   // [b, local heads, local tokens, head_dim], positions [local tokens] (the
   // tokens' places in the sequence, for the causal mask) -> [b, local heads,
   // local tokens, head_dim]. mlp's forward(x): block layout -> block layout,
-  // hidden -> ffn -> hidden with GELU; its parameters are named
-  // "c_fc.*" and "c_proj.*".
+  // hidden -> ffn -> hidden with GELU or SwiGLU (nn::MLPKind); its
+  // parameters are named "c_fc.*", "c_proj.*" and, SwiGLU, "c_gate.*".
   // The defaults: attention over the local heads and tokens (every key a
   // query needs is on this rank; dropout(p, kSharded) on the probabilities),
-  // and c_proj(gelu(c_fc(x))) from linear(kColumn) and linear(kRow).
+  // and the MLP from linear(kColumn) and linear(kRow).
   virtual torch::nn::AnyModule core_attention(int64_t heads, int64_t head_dim, double dropout);
-  virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn);
+  virtual torch::nn::AnyModule mlp(int64_t hidden, int64_t ffn, MLPKind kind = MLPKind::kGelu, bool bias = true);
   // A mixture-of-experts layer (nn/moe.h) over this factory's expert groups,
   // its auxiliary losses' gradient scaled by `loss_scale`. The default
   // refuses: tensor modes whose layers do not carry experts say so.
@@ -95,6 +131,10 @@ class LayerFactory {
   // embeddings): replicated over the tensor group, or partial over it where
   // each rank sees only its sequence shard.
   virtual ParamPlacement replicated_param(const at::Tensor& param) const = 0;
+  // The placement of a parameter applied alike to every local head and token
+  // (head_norm): replicated values, gradient partial over the groups that
+  // split heads or tokens.
+  virtual ParamPlacement head_param(const at::Tensor& param) const = 0;
   // Every parameter of `module` (names of named_parameters()) with its placement.
   virtual NamedPlacements placements(torch::nn::Module& module) const;
 

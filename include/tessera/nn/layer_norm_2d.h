@@ -1,5 +1,5 @@
 #pragma once
-// Layer normalization over the hidden dimension of a 2D / 2.5D activation
+// Layer (or RMS) normalization over the hidden dimension of a 2D / 2.5D activation
 // [b/q, s, h/q] (Note [2D and 2.5D layouts] in linear_2d.h): the mean and
 // variance of each token are sums over the row group, whose ranks hold the
 // token's hidden blocks. Weight and bias [h/q] are hidden block j:
@@ -25,6 +25,8 @@ struct LayerNorm2DOptions {
   /* implicit */ LayerNorm2DOptions(int64_t hidden) : hidden_(hidden) {}  // NOLINT
   TORCH_ARG(int64_t, hidden);  // full size; divisible by q
   TORCH_ARG(double, eps) = 1e-5;
+  // RMSNorm (nn/rms_norm.h) instead: no mean, no bias.
+  TORCH_ARG(bool, rms) = false;
 };
 
 class LayerNorm2DImpl : public torch::nn::Cloneable<LayerNorm2DImpl>, public PlacedModule {
@@ -34,7 +36,7 @@ class LayerNorm2DImpl : public torch::nn::Cloneable<LayerNorm2DImpl>, public Pla
                   comm::CommunicatorPtr depth = nullptr);
 
   void reset() override;
-  // Ones and zeros, as torch::nn::LayerNorm.
+  // Ones and zeros, as torch::nn::LayerNorm (no bias under rms).
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   NamedPlacements local_placements() override;
@@ -43,7 +45,7 @@ class LayerNorm2DImpl : public torch::nn::Cloneable<LayerNorm2DImpl>, public Pla
 
   LayerNorm2DOptions options;
   at::Tensor weight;  // [h/q]
-  at::Tensor bias;    // [h/q]
+  at::Tensor bias;    // [h/q]; undefined under rms
 
  private:
   comm::CommunicatorPtr row_, col_, depth_;

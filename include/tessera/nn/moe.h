@@ -60,7 +60,11 @@ struct MoEOptions {
   TORCH_ARG(MoEDropPolicy, drop_policy) = MoEDropPolicy::kPosition;
   TORCH_ARG(double, aux_loss_coef) = 1e-2;
   TORCH_ARG(double, z_loss_coef) = 1e-3;
-  // Initialization: the router and c_fc weights N(0, init_std), c_proj
+  // Each expert a SwiGLU MLP c_proj(silu(c_gate x) · c_fc x) (Mixtral's w2,
+  // w1, w3) instead of GELU; experts with biases or without (Mixtral).
+  TORCH_ARG(bool, gated) = false;
+  TORCH_ARG(bool, bias) = true;
+  // Initialization: the router, c_fc and c_gate weights N(0, init_std), c_proj
   // weights N(0, proj_init_std), biases 0, drawn blockwise from init_seed
   // (Note [Layout-independent initialization]); nullopt: draw_seed().
   TORCH_ARG(double, init_std) = 0.02;
@@ -91,10 +95,14 @@ struct MoEStats {
 };
 
 // The local experts' linear layers, stacked: weight [E_l, out, in], bias
-// [E_l, out]; x [E_l, M, in] -> [E_l, M, out], one batched matmul for all.
+// [E_l, out] (undefined without bias); x [E_l, M, in] -> [E_l, M, out], one
+// batched matmul for all.
 class ExpertLinearImpl : public torch::nn::Cloneable<ExpertLinearImpl> {
  public:
-  ExpertLinearImpl(int64_t experts, int64_t in, int64_t out) : experts_(experts), in_(in), out_(out) { reset(); }
+  ExpertLinearImpl(int64_t experts, int64_t in, int64_t out, bool bias = true)
+      : experts_(experts), in_(in), out_(out), has_bias_(bias) {
+    reset();
+  }
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
 
@@ -102,6 +110,7 @@ class ExpertLinearImpl : public torch::nn::Cloneable<ExpertLinearImpl> {
 
  private:
   int64_t experts_, in_, out_;
+  bool has_bias_;
 };
 
 TORCH_MODULE(ExpertLinear);
@@ -126,8 +135,9 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl>, public PlacedModule {
   MoEOptions options;
   torch::nn::Linear router{nullptr};  // [experts, hidden], no bias
   // Local experts [rank · E_l, (rank + 1) · E_l) of the expert group:
-  // c_fc [E_l, ffn, hidden], c_proj [E_l, hidden, ffn] (the mlp slot's names).
-  ExpertLinear c_fc{nullptr}, c_proj{nullptr};
+  // c_fc [E_l, ffn, hidden], c_proj [E_l, hidden, ffn] and, gated, c_gate
+  // [E_l, ffn, hidden] (the mlp slot's names).
+  ExpertLinear c_fc{nullptr}, c_proj{nullptr}, c_gate{nullptr};
 
  private:
   NamedPlacements expert_placements();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace torch {
 namespace nn {
@@ -18,6 +19,14 @@ namespace models {
 struct GPTConfig;
 }
 namespace planner {
+
+// One linear layer of a block: in and out features, and whether it is a
+// row-role layer (its input is the sharded features: attention's and the
+// MLP's output projections) or a column-role one.
+struct LinearShape {
+  int64_t in = 0, out = 0;
+  bool row = false;
+};
 
 struct ModelDesc {
   TORCH_ARG(std::string, name) = "model";
@@ -34,8 +43,18 @@ struct ModelDesc {
   TORCH_ARG(bool, tied) = true;
   // 2: GELU MLP (fc, proj); 3: SwiGLU (gate, up, down).
   TORCH_ARG(int, mlp_matrices) = 2;
-  // Linear layers with biases, LayerNorm with a bias (GPT); neither (LLaMA).
+  // Biases of the attention output and MLP linears (GPT); none (LLaMA).
   TORCH_ARG(bool, bias) = true;
+  // Biases of the q/k/v projection (GPT, Qwen 2).
+  TORCH_ARG(bool, qkv_bias) = true;
+  // RMSNorm (weight; one statistic) instead of LayerNorm (weight and bias;
+  // two statistics).
+  TORCH_ARG(bool, rms_norm) = false;
+  // Grouped-query attention: key/value heads (0: heads); the head dimension
+  // (0: hidden / heads); per-head q/k norms (Qwen 3).
+  TORCH_ARG(int64_t, kv_heads) = 0;
+  TORCH_ARG(int64_t, head_dim) = 0;
+  TORCH_ARG(bool, qk_norm) = false;
   // Mixture of experts, as GPTConfig: every moe_every-th block routes each
   // token to top_k of `experts` MLPs.
   TORCH_ARG(int64_t, experts) = 0;
@@ -54,6 +73,14 @@ struct ModelDesc {
  public:
   bool opaque() const { return opaque_params_ > 0; }
   int64_t ffn_width() const { return ffn_ > 0 ? ffn_ : 4 * hidden_; }
+  int64_t head_size() const { return head_dim_ > 0 ? head_dim_ : hidden_ / heads_; }
+  // The width of q (and of the output projection's input), and of k (and v).
+  int64_t attention_width() const { return heads_ * head_size(); }
+  int64_t kv_width() const { return (kv_heads_ > 0 ? kv_heads_ : heads_) * head_size(); }
+  int64_t norm_params() const { return rms_norm_ ? hidden_ : 2 * hidden_; }
+  // The linears of one block as (in, out), attention then MLP (dense): what
+  // the tensor modes' traffic is made of.
+  std::vector<LinearShape> block_linears() const;
   bool moe_block(int64_t block) const { return experts_ > 0 && (block + 1) % moe_every_ == 0; }
   int64_t moe_blocks() const;
 
@@ -76,8 +103,9 @@ struct ModelDesc {
   // tessera's GPT (models/gpt.h) trained on sequences of `seq` tokens
   // (<= config.context; 0: the context).
   static ModelDesc gpt(const models::GPTConfig& config, int64_t seq = 0);
-  // "llama-7b", "llama-13b", "llama-30b", "llama-65b" (Touvron et al. 2023),
-  // and GPTConfig's presets as "gpt-tiny", "gpt-small", "gpt-medium".
+  // "llama-7b", "llama-13b", "llama-30b", "llama-65b" (Touvron et al. 2023);
+  // GPTConfig's GPT-2 presets as "gpt-tiny", "gpt-small", "gpt-medium"; its
+  // Llama-family presets by their own names ("llama3-8b", "mixtral-8x7b", ...).
   static ModelDesc preset(const std::string& name, int64_t seq);
   // Only the trainable parameter count of a module: the planner then plans
   // data parallelism and sharding (no tensor, sequence or pipeline modes).

@@ -30,12 +30,13 @@ class MetricsLog {
   std::unique_ptr<std::ofstream> file_;
 };
 
-// Model FLOPs of one training token of a GPT at sequence length `seq`:
-// 6·N (forward and backward through every weight matrix, N the parameters
-// outside the position embedding that a token uses: in a MoE block its
-// router and top_k experts) + 12·L·h·seq (attention scores and
-// values), the formula of Kaplan et al. / PaLM's MFU. Recomputation
-// (activation checkpointing) is not counted: MFU counts model FLOPs only.
+// Model FLOPs of one training token of a GPT (any preset) at sequence length
+// `seq`: 6·N (forward and backward through every weight matrix a token uses:
+// in a MoE block its router and top_k experts; norms, biases and the
+// position table left out) + 12·L·(heads · head_dim)·seq (attention scores
+// and values), the formula of Kaplan et al. / PaLM's MFU
+// (planner::ModelDesc::flops_per_sequence). Recomputation (activation
+// checkpointing) is not counted: MFU counts model FLOPs only.
 double gpt_flops_per_token(const models::GPTConfig& config, int64_t seq);
 
 // The FLOP/s this rank reaches on a float32 matrix product of side `n`

@@ -47,9 +47,12 @@ struct RunOptions {
   TORCH_ARG(parallel::Offload, offload) = parallel::Offload::kNone;
   TORCH_ARG(std::string, offload_dir) = "";
   TORCH_ARG(bool, offload_params) = false;
-  // The model: sizes, dropout, experts, activation checkpointing; its
-  // vocabulary comes from the data and its context from seq.
+  // The model: architecture, sizes, dropout, experts, activation
+  // checkpointing; its vocabulary comes from the data and its context from seq.
   TORCH_ARG(models::GPTConfig, model);
+  // --model: a GPTConfig preset the model starts from (the model flags given
+  // beside it win); empty: the flags alone.
+  TORCH_ARG(std::string, model_preset) = "";
   // Optimization.
   TORCH_ARG(Precision, precision) = Precision::kFp32;
   TORCH_ARG(std::string, optimizer) = "adamw";
