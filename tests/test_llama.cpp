@@ -12,6 +12,7 @@
 
 #include "full_logits.h"
 #include "gpt_weights.h"
+#include "llama_weights.h"
 #include "reference_llama.h"
 
 #include "tessera/context/parallel_context.h"
@@ -43,79 +44,6 @@ models::GPTConfig family(const std::string& name) {
   models::GPTConfig c = models::GPTConfig::preset(name + "-tiny");
   if (c.experts() > 0) c.aux_loss_coef(0);  // the reference has no auxiliary loss
   return c;
-}
-
-test::ReferenceLlamaConfig reference_config(const models::GPTConfig& c) {
-  test::ReferenceLlamaConfig r;
-  r.vocab = c.vocab(), r.hidden = c.hidden(), r.layers = c.layers(), r.heads = c.heads();
-  r.kv_heads = c.num_kv_heads(), r.head_dim = c.dim_per_head(), r.ffn = c.ffn_size();
-  r.norm_eps = c.norm_eps(), r.rope_theta = c.rope_theta();
-  if (c.rope_scaling()) {
-    const auto& s = *c.rope_scaling();
-    r.llama3_scaling = true, r.rope_factor = s.factor(), r.low_freq_factor = s.low_freq_factor();
-    r.high_freq_factor = s.high_freq_factor(), r.original_context = s.original_context();
-  }
-  r.qkv_bias = c.qkv_bias(), r.qk_norm = c.qk_norm(), r.tied = c.tied();
-  r.experts = c.experts(), r.moe_every = c.moe_every(), r.top_k = c.top_k(), r.renormalize = c.renormalize();
-  return r;
-}
-
-// Hugging Face's names and layouts -> tessera's (Note [GPT full weights]):
-// q, k, v rows packed per head (multi-head) or k, v per kv head (grouped),
-// the experts' w1, w3, w2 stacked. A permutation, so it maps gradients too.
-Weights to_tessera(const Weights& hf, const models::GPTConfig& c) {
-  Weights t;
-  const int64_t heads = c.heads(), kv = c.num_kv_heads(), d = c.dim_per_head();
-  t["wte.weight"] = hf.at("model.embed_tokens.weight");
-  t["ln_f.weight"] = hf.at("model.norm.weight");
-  if (!c.tied()) t["lm_head.weight"] = hf.at("lm_head.weight");
-  // [n·d, ...] -> [n, d, ...]
-  auto per_head = [&](const at::Tensor& x, int64_t n) {
-    std::vector<int64_t> shape = {n, d};
-    for (int64_t i = 1; i < x.dim(); ++i) shape.push_back(x.size(i));
-    return x.reshape(shape);
-  };
-  for (int64_t i = 0; i < c.layers(); ++i) {
-    const std::string hp = "model.layers." + std::to_string(i) + ".", tp = "h." + std::to_string(i) + ".";
-    t[tp + "ln_1.weight"] = hf.at(hp + "input_layernorm.weight");
-    t[tp + "ln_2.weight"] = hf.at(hp + "post_attention_layernorm.weight");
-    t[tp + "attn.c_proj.weight"] = hf.at(hp + "self_attn.o_proj.weight");
-    for (const std::string kind : {"weight", "bias"}) {
-      if (kind == "bias" && !c.qkv_bias()) continue;
-      const at::Tensor q = hf.at(hp + "self_attn.q_proj." + kind), k = hf.at(hp + "self_attn.k_proj." + kind),
-                       v = hf.at(hp + "self_attn.v_proj." + kind);
-      if (c.grouped_attention()) {
-        t[tp + "attn.q_proj." + kind] = q;
-        t[tp + "attn.kv_proj." + kind] = at::stack({per_head(k, kv), per_head(v, kv)}, 1).flatten(0, 2);
-      } else {
-        t[tp + "attn.c_attn." + kind] =
-            at::stack({per_head(q, heads), per_head(k, heads), per_head(v, heads)}, 1).flatten(0, 2);
-      }
-    }
-    if (c.qk_norm()) {
-      t[tp + "attn.q_norm.weight"] = hf.at(hp + "self_attn.q_norm.weight");
-      t[tp + "attn.k_norm.weight"] = hf.at(hp + "self_attn.k_norm.weight");
-    }
-    if (c.moe_block(i)) {
-      const std::string moe = hp + "block_sparse_moe.";
-      t[tp + "mlp.router.weight"] = hf.at(moe + "gate.weight");
-      std::vector<at::Tensor> gate, up, down;
-      for (int64_t e = 0; e < c.experts(); ++e) {
-        const std::string expert = moe + "experts." + std::to_string(e) + ".";
-        gate.push_back(hf.at(expert + "w1.weight"));
-        up.push_back(hf.at(expert + "w3.weight"));
-        down.push_back(hf.at(expert + "w2.weight"));
-      }
-      t[tp + "mlp.c_gate.weight"] = at::stack(gate);
-      t[tp + "mlp.c_fc.weight"] = at::stack(up);
-      t[tp + "mlp.c_proj.weight"] = at::stack(down);
-    } else {
-      t[tp + "mlp.c_gate.weight"] = hf.at(hp + "mlp.gate_proj.weight");
-      t[tp + "mlp.c_fc.weight"] = hf.at(hp + "mlp.up_proj.weight");
-      t[tp + "mlp.c_proj.weight"] = hf.at(hp + "mlp.down_proj.weight");
-    }
-  }
-  return t;
 }
 
 // A key bias adds the same q·b_k to every score of a query, which softmax
@@ -193,7 +121,7 @@ models::GPTConfig config_of(const LayoutCase& lc) {
 std::shared_ptr<models::GPTImpl> build(const models::GPTConfig& c, const context::ParallelContextPtr& ctx,
                                        bool megatron_sp, const Weights& hf) {
   auto gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx, megatron_sp));
-  gpt->load_full_state(to_tessera(hf, c));
+  gpt->load_full_state(test::to_tessera(hf, c));
   return gpt;
 }
 
@@ -207,7 +135,7 @@ void expect_step_equal(const LayoutCase& lc, const Weights& hf) {
   const models::GPTConfig c = config_of(lc);
   const at::Tensor ids = test::seeded_token_ids(11, c.vocab(), kRows, kSeq);
   const at::Tensor targets = test::seeded_token_ids(12, c.vocab(), kRows, kSeq);
-  test::ReferenceLlama reference(reference_config(c));
+  test::ReferenceLlama reference(test::reference_llama_config(c));
   reference->load_state(hf);
   const at::Tensor reference_logits = reference->forward(ids);
   reference->loss(reference_logits, targets).backward();
@@ -230,7 +158,7 @@ void expect_step_equal(const LayoutCase& lc, const Weights& hf) {
       << "logits";
   const at::Tensor expected_loss = reference->loss(expected_logits, local_targets);
   EXPECT_LE(rel_error(loss.detach(), expected_loss), kRelTolerance) << "loss of this rank's rows";
-  const Weights expected_grads = to_tessera(reference->state(/*gradients=*/true), c);
+  const Weights expected_grads = test::to_tessera(reference->state(/*gradients=*/true), c);
   const auto grads = gpt->full_state(/*gradients=*/true);
   EXPECT_EQ(grads.size(), expected_grads.size());
   for (const auto& [name, grad] : grads) {
@@ -253,7 +181,7 @@ std::shared_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> params) {
 // fp64, whichever is larger.
 void expect_training_equal(const LayoutCase& lc, const Weights& hf) {
   const models::GPTConfig c = config_of(lc);
-  test::ReferenceLlama reference(reference_config(c)), reference64(reference_config(c));
+  test::ReferenceLlama reference(test::reference_llama_config(c)), reference64(test::reference_llama_config(c));
   reference->load_state(hf);
   reference64->to(torch::kDouble);
   reference64->load_state(hf);
@@ -289,7 +217,7 @@ void expect_training_equal(const LayoutCase& lc, const Weights& hf) {
   const std::string dir = ::testing::TempDir() + "tessera_llama_" + std::to_string(test::world()->size()) + "_" +
                           std::to_string(std::hash<std::string>()(lc.name));
   trainer.save(dir);
-  const Weights expected = to_tessera(reference->state(), c), exact = to_tessera(reference64->state(), c);
+  const Weights expected = test::to_tessera(reference->state(), c), exact = test::to_tessera(reference64->state(), c);
   if (test::world()->rank() == 0) {
     infer::CheckpointReader reader(dir);
     EXPECT_EQ(reader.names("model/").size(), expected.size());
@@ -311,7 +239,7 @@ TEST(LlamaLayouts, LogitsAndGradientsEqualTheReference) {
   for (const LayoutCase& lc : run) {
     if (lc.layout.pipeline() > 1) continue;  // the trainer's test covers pipelines
     SCOPED_TRACE(lc.name);
-    expect_step_equal(lc, test::random_llama_weights(reference_config(config_of(lc)), 5));
+    expect_step_equal(lc, test::random_llama_weights(test::reference_llama_config(config_of(lc)), 5));
   }
 }
 
@@ -320,7 +248,7 @@ TEST(LlamaLayouts, FiveAdamWStepsEqualTheReference) {
   ASSERT_FALSE(run.empty()) << "this test has layouts at 4 and 8 ranks only; CTest runs it there";
   for (const LayoutCase& lc : run) {
     SCOPED_TRACE(lc.name);
-    expect_training_equal(lc, test::random_llama_weights(reference_config(config_of(lc)), 6));
+    expect_training_equal(lc, test::random_llama_weights(test::reference_llama_config(config_of(lc)), 6));
   }
 }
 

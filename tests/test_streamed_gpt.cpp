@@ -2,9 +2,12 @@
 // (reference_gpt.h): logits at every position, through the KV cache, from a
 // safetensors file and from a checkpoint cut into region and flat pieces;
 // weights in memory, streamed with prefetch and without; tensor-parallel
-// over every rank of the test. Then what it refuses: damaged, truncated and
+// over every rank of the test. The Llama family against the reference Llama
+// (reference_llama.h) with random biases and norms, its architecture read
+// from the file's metadata. Then what it refuses: damaged, truncated and
 // missing weights, a budget too small, bad options; and the sampler.
 #include "gpt_weights.h"
+#include "llama_weights.h"
 #include "reference_gpt.h"
 #include "test_util.h"
 
@@ -150,6 +153,42 @@ TEST(StreamedGPT, LogitsEqualTheSerialModelFromEverySourceAndPlan) {
         EXPECT_GE(st.bytes_read, 6 * model.plan().weight_bytes * 9 / 10);
         EXPECT_EQ(model.plan().buffers, plan.options.prefetch() ? plan.options.buffers() : 1);
       }
+    }
+  }
+}
+
+// Rotary positions through the KV cache (each new token rotated by its
+// place), grouped-query attention whose cache holds the kv heads, RMSNorm,
+// q/k/v biases (Qwen 2), q/k norms and head_dim != hidden / heads (Qwen 3),
+// llama3 rope scaling; every weight random. Tensor-parallel at 2 ranks.
+TEST(StreamedGPT, LlamaFamilyEqualsTheReferenceThroughTheKVCache) {
+  auto w = test::world();
+  for (const std::string preset : {"llama-tiny", "qwen2-tiny", "qwen3-tiny"}) {
+    SCOPED_TRACE(preset);
+    const models::GPTConfig c = models::GPTConfig::preset(preset);
+    const auto hf = test::random_llama_weights(test::reference_llama_config(c), 23);
+    const std::string file = shared_dir("llama_" + preset) + "/model.safetensors";
+    if (w->rank() == 0) {
+      const auto weights = test::to_tessera(hf, c);
+      std::vector<std::pair<std::string, at::Tensor>> list(weights.begin(), weights.end());
+      write_safetensors(file, list, {{"tessera.checkpoint_metadata", R"({"gpt": )" + c.to_json() + "}"}});
+    }
+    w->barrier()->wait();
+    const at::Tensor ids = test::seeded_token_ids(5, c.vocab(), 2, 12);
+    test::ReferenceLlama reference(test::reference_llama_config(c));
+    reference->load_state(hf);
+    at::Tensor expected;
+    {
+      at::NoGradGuard no_grad;
+      expected = reference->forward(ids);
+    }
+    auto stored = std::make_shared<StoredWeights>(file);
+    const models::GPTConfig read = infer::gpt_config_from_weights(*stored);
+    EXPECT_EQ(read.to_json(), models::GPTConfig(c).dropout(0).to_json()) << "the recorded architecture";
+    for (bool resident : {true, false}) {
+      StreamedGPT model(stored, StreamedGPTOptions().batch(2).max_length(12).resident_if_fits(resident).group(
+                                    w->size() == 2 ? w : nullptr));
+      EXPECT_LE(test::rel_error(streamed_logits(model, ids), expected), 1e-5) << (resident ? "resident" : "streamed");
     }
   }
 }

@@ -3,6 +3,8 @@
 #include "tessera/comm/agree.h"
 #include "tessera/comm/functional.h"
 #include "tessera/core/process_memory.h"
+#include "tessera/nn/rms_norm.h"
+#include "tessera/nn/rotary.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -12,6 +14,10 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
 
 namespace tessera {
 namespace infer {
@@ -20,15 +26,46 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kAlign = 64;
 constexpr double kMiB = 1024.0 * 1024.0;
-constexpr const char* kBlockTensors[] = {"ln_1.weight",      "ln_1.bias",        "attn.c_attn.weight", "attn.c_attn.bias",
-                                         "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",        "ln_2.bias",
-                                         "mlp.c_fc.weight",  "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The tensors of a block, by their names after "h.<i>.", as the architecture
+// has them (Note [GPT full weights]).
+std::vector<std::string> block_tensors(const models::GPTConfig& c) {
+  std::vector<std::string> t;
+  auto linear = [&](const std::string& name, bool bias) {
+    t.push_back(name + ".weight");
+    if (bias) t.push_back(name + ".bias");
+  };
+  const bool layer_norm = c.norm() == nn::NormKind::kLayerNorm;
+  linear("ln_1", layer_norm);
+  if (c.grouped_attention()) {
+    linear("attn.q_proj", c.qkv_bias());
+    linear("attn.kv_proj", c.qkv_bias());
+  } else {
+    linear("attn.c_attn", c.qkv_bias());
+  }
+  if (c.qk_norm()) t.insert(t.end(), {"attn.q_norm.weight", "attn.k_norm.weight"});
+  linear("attn.c_proj", c.bias());
+  linear("ln_2", layer_norm);
+  if (c.mlp() == nn::MLPKind::kSwiGLU) linear("mlp.c_gate", c.bias());
+  linear("mlp.c_fc", c.bias());
+  linear("mlp.c_proj", c.bias());
+  return t;
+}
+
+// A tensor of a unit's map, or undefined (an absent bias).
+at::Tensor optional(const std::map<std::string, at::Tensor>& p, const std::string& name) {
+  auto it = p.find(name);
+  return it == p.end() ? at::Tensor() : it->second;
+}
 
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // The weights of one unit, read into one buffer.
 struct Unit {
+  std::vector<std::string> names;  // of each read ("h.<i>." left out; "table" for a head chunk)
   std::vector<StoredWeights::ReadPlan> reads;
   std::vector<int64_t> offsets;  // of each read in the buffer
   int64_t bytes = 0;
@@ -61,18 +98,31 @@ double StreamStats::hidden_fraction() const {
   return read_seconds > 0 ? std::max(0.0, 1.0 - stall_seconds / read_seconds) : 1.0;
 }
 
-models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads) {
+namespace {
+
+// The "gpt" object of the weights' metadata (saved by hand, or through
+// Trainer::save, which keeps the caller's under "extra"); empty if none.
+nlohmann::json recorded_config(const StoredWeights& w) {
+  nlohmann::json meta = nlohmann::json::object();
+  try {
+    meta = nlohmann::json::parse(w.metadata_json());
+  } catch (const std::exception&) {
+  }
+  for (const auto& m : {meta, meta.is_object() ? meta.value("extra", nlohmann::json::object()) : meta})
+    if (m.is_object() && m.contains("gpt") && m["gpt"].is_object()) return m["gpt"];
+  return nlohmann::json::object();
+}
+
+// GPT-2 from the shapes, and the heads from `heads` or the metadata.
+models::GPTConfig gpt2_from_shapes(const StoredWeights& w, int64_t heads, const nlohmann::json& recorded) {
   const std::string where = "weights " + w.path();
   const bool llama = w.contains("h.0.mlp.c_gate.weight") || w.contains("h.0.attn.q_proj.weight") ||
                      (w.contains("h.0.ln_1.weight") && !w.contains("h.0.ln_1.bias"));
-  TORCH_CHECK(!llama, where, " hold a Llama-family model (rotary positions, RMSNorm, grouped-query attention or "
-              "SwiGLU), which streamed inference does not run yet (it runs GPT-2's architecture); sample it at the end of training "
-              "(train_gpt --sample) instead");
+  TORCH_CHECK(!llama, where, " hold a Llama-family model (RMSNorm, grouped-query attention or SwiGLU), but their "
+              "metadata do not record its architecture (a \"gpt\" object as train_gpt's checkpoints carry: norm, "
+              "positions, kv_heads, ...); save them through the trainer, or add it to the file's metadata");
   for (const char* name : {"wte.weight", "wpe.weight", "ln_f.weight", "h.0.ln_1.weight"})
     TORCH_CHECK(w.contains(name), where, " are not a GPT (models::GPT's names): '", name, "' is missing");
-  for (const auto& name : w.names())
-    TORCH_CHECK(name.find(".mlp.router") == std::string::npos && name.find(".mlp.experts") == std::string::npos,
-                where, " hold mixture-of-experts blocks ('", name, "'), which streamed inference does not run yet");
   models::GPTConfig c;
   c.vocab(w.shape("wte.weight").at(0));
   c.hidden(w.shape("wte.weight").at(1));
@@ -80,24 +130,46 @@ models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads)
   c.layers(0);
   while (w.contains("h." + std::to_string(c.layers()) + ".ln_1.weight")) ++c.layers();
   c.tied(!w.contains("lm_head.weight"));
-  c.dropout(0);
-  if (heads <= 0) {
-    nlohmann::json meta = nlohmann::json::object();
-    try {
-      meta = nlohmann::json::parse(w.metadata_json());
-    } catch (const std::exception&) {
-    }
-    // Saved by hand ({"gpt": ...}) or through Trainer::save, which keeps the caller's under "extra".
-    for (const auto& m : {meta, meta.is_object() ? meta.value("extra", nlohmann::json::object()) : meta})
-      if (heads <= 0 && m.is_object() && m.contains("gpt") && m["gpt"].is_object() && m["gpt"].contains("heads"))
-        heads = m["gpt"]["heads"].get<int64_t>();
-  }
+  if (heads <= 0 && recorded.contains("heads")) heads = recorded["heads"].get<int64_t>();
   TORCH_CHECK(heads > 0, where, " do not say how many attention heads the model has (their metadata has no "
                             "gpt.heads); pass it (--heads)");
   c.heads(heads);
-  TORCH_CHECK(c.hidden() % c.heads() == 0, where, ": hidden size ", c.hidden(), " is not divisible by ", c.heads(), " heads");
+  TORCH_CHECK(c.hidden() % c.heads() == 0, where, ": hidden size ", c.hidden(), " is not divisible by ", c.heads(),
+              " heads");
+  return c;
+}
+
+}  // namespace
+
+models::GPTConfig gpt_config_from_weights(const StoredWeights& w, int64_t heads) {
+  const std::string where = "weights " + w.path();
+  for (const auto& name : w.names())
+    TORCH_CHECK(name.find(".mlp.router") == std::string::npos && name.find(".mlp.experts") == std::string::npos,
+                where, " hold mixture-of-experts blocks ('", name, "'), which streamed inference does not run yet");
+  const nlohmann::json recorded = recorded_config(w);
+  // Written with the architecture (train_gpt's), not only the heads (earlier GPT-2 checkpoints).
+  const bool described = recorded.contains("norm") || recorded.contains("positions");
+  models::GPTConfig c;
+  if (described) {
+    c = models::GPTConfig::from_json(recorded.dump());
+    TORCH_CHECK(heads <= 0 || heads == c.heads(), where, " record ", c.heads(), " heads; --heads ", heads,
+                " disagrees (leave it out)");
+    const std::vector<int64_t> table = {c.vocab(), c.hidden()};
+    TORCH_CHECK(w.contains("wte.weight") && w.shape("wte.weight") == table, where, ": wte.weight is not [", c.vocab(), ", ", c.hidden(), "] as the recorded architecture says");
+    TORCH_CHECK(w.contains("h." + std::to_string(c.layers() - 1) + ".ln_1.weight") &&
+                    !w.contains("h." + std::to_string(c.layers()) + ".ln_1.weight"),
+                where, ": the blocks are not the ", c.layers(), " the recorded architecture says");
+  } else {
+    c = gpt2_from_shapes(w, heads, recorded);
+  }
+  c.dropout(0);
+  for (const char* name : {"wte.weight", "ln_f.weight"})
+    TORCH_CHECK(w.contains(name), where, " have no '", name, "'");
+  TORCH_CHECK(c.tied() || w.contains("lm_head.weight"), where, " have no 'lm_head.weight' (the head is untied)");
+  TORCH_CHECK(c.positions() != models::Positions::kLearned || w.contains("wpe.weight"), where,
+              " have no 'wpe.weight' (learned positions)");
   for (int64_t i = 0; i < c.layers(); ++i)
-    for (const char* t : kBlockTensors)
+    for (const auto& t : block_tensors(c))
       TORCH_CHECK(w.contains("h." + std::to_string(i) + "." + t), where, ": block ", i, " has no '", t, "'");
   return c;
 }
@@ -108,7 +180,8 @@ struct StreamedGPT::Impl {
   models::GPTConfig c;
   comm::CommunicatorPtr group;
   int64_t tp = 1, rank = 0;
-  int64_t lh = 0, d = 0, lf = 0, v0 = 0, v1 = 0, max_length = 0;
+  int64_t lh = 0, lkv = 0, d = 0, lf = 0, v0 = 0, v1 = 0, max_length = 0;
+  at::Tensor inverse_frequencies;  // rotary positions
   std::string head_name;
   std::vector<Unit> units;  // blocks, then head chunks
   StreamPlan plan;
@@ -118,42 +191,45 @@ struct StreamedGPT::Impl {
   std::vector<Load> loads;  // per buffer
   int64_t next_issue = 0, next_use = 0;
   bool broken = false;
-  std::vector<at::Tensor> k_cache, v_cache;  // per layer [batch, lh, max_length, d]
+  std::vector<at::Tensor> k_cache, v_cache;  // per layer [batch, lkv, max_length, d]
   int64_t batch = 0, pos = 0;
   StreamStats stats;
 
+  // This rank's part of block i: rows of the column-role linears (its heads,
+  // kv heads, MLP columns), columns of the row-role ones, the rest whole.
   Unit block_unit(int64_t i) const {
     Unit u;
     const std::string p = "h." + std::to_string(i) + ".";
-    const int64_t h = c.hidden();
-    auto add = [&](const std::string& name, std::vector<int64_t> off, std::vector<int64_t> len) {
-      u.reads.push_back(w->plan(p + name, off, len));
+    const int64_t h = c.hidden(), a = lh * d;
+    for (const auto& name : block_tensors(c)) {
+      const bool weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+      int64_t first = 0, rows = 0;  // rows > 0: a column-role layer's rows
+      if (starts_with(name, "attn.c_attn.")) first = rank * 3 * a, rows = 3 * a;
+      if (starts_with(name, "attn.q_proj.")) first = rank * a, rows = a;
+      if (starts_with(name, "attn.kv_proj.")) first = rank * 2 * lkv * d, rows = 2 * lkv * d;
+      if (starts_with(name, "mlp.c_gate.") || starts_with(name, "mlp.c_fc.")) first = rank * lf, rows = lf;
+      const bool row_role = weight && (name == "attn.c_proj.weight" || name == "mlp.c_proj.weight");
+      if (rows > 0)
+        u.reads.push_back(weight ? w->plan(p + name, {first, 0}, {rows, h}) : w->plan(p + name, {first}, {rows}));
+      else if (row_role)
+        u.reads.push_back(name == "attn.c_proj.weight" ? w->plan(p + name, {0, rank * a}, {h, a})
+                                                       : w->plan(p + name, {0, rank * lf}, {h, lf}));
+      else
+        u.reads.push_back(w->plan_whole(p + name));
+      u.names.push_back(name);
       u.offsets.push_back(u.bytes);
       u.bytes += aligned(u.reads.back().bytes);
-    };
-    const int64_t qkv = 3 * lh * d, q0 = rank * qkv, f0 = rank * lf;
-    add("ln_1.weight", {0}, {h});
-    add("ln_1.bias", {0}, {h});
-    add("attn.c_attn.weight", {q0, 0}, {qkv, h});
-    add("attn.c_attn.bias", {q0}, {qkv});
-    add("attn.c_proj.weight", {0, rank * lh * d}, {h, lh * d});
-    add("attn.c_proj.bias", {0}, {h});
-    add("ln_2.weight", {0}, {h});
-    add("ln_2.bias", {0}, {h});
-    add("mlp.c_fc.weight", {f0, 0}, {lf, h});
-    add("mlp.c_fc.bias", {f0}, {lf});
-    add("mlp.c_proj.weight", {0, f0}, {h, lf});
-    add("mlp.c_proj.bias", {0}, {h});
+    }
     return u;
   }
 
-  // A unit's tensors over its buffer, in float.
-  std::vector<at::Tensor> tensors(int64_t unit, char* base) const {
-    std::vector<at::Tensor> out;
+  // A unit's tensors over its buffer, in float, by name.
+  std::map<std::string, at::Tensor> tensors(int64_t unit, char* base) const {
+    std::map<std::string, at::Tensor> out;
     const Unit& u = units[unit];
     for (size_t i = 0; i < u.reads.size(); ++i) {
       const auto& r = u.reads[i];
-      out.push_back(at::from_blob(base + u.offsets[i], r.length, at::TensorOptions().dtype(r.dtype)).to(at::kFloat));
+      out[u.names[i]] = at::from_blob(base + u.offsets[i], r.length, at::TensorOptions().dtype(r.dtype)).to(at::kFloat);
     }
     return out;
   }
@@ -187,7 +263,7 @@ struct StreamedGPT::Impl {
   }
 
   // The next unit's weights, read (Note [Streamed inference]).
-  std::vector<at::Tensor> acquire(int64_t unit) {
+  std::map<std::string, at::Tensor> acquire(int64_t unit) {
     if (plan.resident) return tensors(unit, static_cast<char*>(resident[unit].data_ptr()));
     const int64_t seq = next_use, k = static_cast<int64_t>(buffers.size());
     TORCH_INTERNAL_ASSERT(seq % static_cast<int64_t>(units.size()) == unit, "streamed units out of order");
@@ -210,24 +286,55 @@ struct StreamedGPT::Impl {
 
   at::Tensor all_reduce(const at::Tensor& t) const { return tp > 1 ? comm::raw::all_reduce(t, *group) : t; }
 
-  at::Tensor block(int64_t layer, const std::vector<at::Tensor>& p, const at::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), h = c.hidden();
-    at::Tensor a = at::layer_norm(x, {h}, p[0], p[1], 1e-5);
-    at::Tensor qkv = at::linear(a, p[2], p[3]).view({b, t, lh, 3, d}).permute({3, 0, 2, 1, 4});  // [3, b, lh, t, d]
-    k_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(qkv[1]);
-    v_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(qkv[2]);
-    const at::Tensor keys = k_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
-    const at::Tensor values = v_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
-    at::Tensor scores = at::matmul(qkv[0], keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
+    if (c.norm() == nn::NormKind::kLayerNorm) return at::layer_norm(x, {x.size(-1)}, weight, bias, c.norm_eps());
+    return weight * nn::rms_normalize(x, x.pow(2).mean(-1, /*keepdim=*/true), c.norm_eps());
+  }
+
+  // One block over t new tokens at positions [pos, pos + t); cos and sin of
+  // those positions with rotary embeddings.
+  at::Tensor block(int64_t layer, const std::map<std::string, at::Tensor>& p, const at::Tensor& x,
+                   const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t b = x.size(0), t = x.size(1);
+    const at::Tensor a = norm(x, p.at("ln_1.weight"), optional(p, "ln_1.bias"));
+    at::Tensor q, k, v;  // [b, heads, t, d]
+    if (c.grouped_attention()) {
+      q = at::linear(a, p.at("attn.q_proj.weight"), optional(p, "attn.q_proj.bias")).view({b, t, lh, d}).transpose(1, 2);
+      const at::Tensor kv = at::linear(a, p.at("attn.kv_proj.weight"), optional(p, "attn.kv_proj.bias"))
+                                .view({b, t, lkv, 2, d})
+                                .permute({3, 0, 2, 1, 4});
+      k = kv[0], v = kv[1];
+    } else {
+      const at::Tensor qkv = at::linear(a, p.at("attn.c_attn.weight"), optional(p, "attn.c_attn.bias"))
+                                 .view({b, t, lh, 3, d})
+                                 .permute({3, 0, 2, 1, 4});
+      q = qkv[0], k = qkv[1], v = qkv[2];
+    }
+    if (c.qk_norm()) q = norm(q, p.at("attn.q_norm.weight"), {}), k = norm(k, p.at("attn.k_norm.weight"), {});
+    if (cos.defined()) q = nn::apply_rotary(q, cos, sin), k = nn::apply_rotary(k, cos, sin);
+    // The cache holds the kv heads themselves; they are repeated for the query heads when read.
+    k_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(k);
+    v_cache[layer].narrow(0, 0, b).narrow(2, pos, t).copy_(v);
+    at::Tensor keys = k_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
+    at::Tensor values = v_cache[layer].narrow(0, 0, b).narrow(2, 0, pos + t);
+    if (lkv != lh) keys = keys.repeat_interleave(lh / lkv, 1), values = values.repeat_interleave(lh / lkv, 1);
+    at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
     if (t > 1) {  // query i (at pos + i) sees keys 0 .. pos + i
       const at::Tensor q_pos = at::arange(pos, pos + t, at::kLong).unsqueeze(1);
       const at::Tensor k_pos = at::arange(0, pos + t, at::kLong).unsqueeze(0);
       scores = scores.masked_fill(k_pos > q_pos, -std::numeric_limits<float>::infinity());
     }
-    at::Tensor att = at::matmul(at::softmax(scores, -1), values).permute({0, 2, 1, 3}).reshape({b, t, lh * d});
-    at::Tensor y = x + all_reduce(at::linear(att, p[4])) + p[5];
-    at::Tensor m = at::gelu(at::linear(at::layer_norm(y, {h}, p[6], p[7], 1e-5), p[8], p[9]));
-    return y + all_reduce(at::linear(m, p[10])) + p[11];
+    const at::Tensor att = at::matmul(at::softmax(scores, -1), values).permute({0, 2, 1, 3}).reshape({b, t, lh * d});
+    at::Tensor y = x + all_reduce(at::linear(att, p.at("attn.c_proj.weight")));
+    if (c.bias()) y = y + p.at("attn.c_proj.bias");
+    const at::Tensor n = norm(y, p.at("ln_2.weight"), optional(p, "ln_2.bias"));
+    const at::Tensor up = at::linear(n, p.at("mlp.c_fc.weight"), optional(p, "mlp.c_fc.bias"));
+    const at::Tensor m = c.mlp() == nn::MLPKind::kSwiGLU
+                             ? at::silu(at::linear(n, p.at("mlp.c_gate.weight"), optional(p, "mlp.c_gate.bias"))) * up
+                             : at::gelu(up);
+    at::Tensor out = y + all_reduce(at::linear(m, p.at("mlp.c_proj.weight")));
+    if (c.bias()) out = out + p.at("mlp.c_proj.bias");
+    return out;
   }
 
   // Reads a box now, in float (small reads: embedding rows, ln_f).
@@ -255,16 +362,21 @@ struct StreamedGPT::Impl {
   at::Tensor run(const at::Tensor& ids) {
     const int64_t b = ids.size(0), t = ids.size(1);
     at::Tensor flat = ids.reshape({-1}).contiguous();
-    at::Tensor x = (rows("wte.weight", flat).view({b, t, c.hidden()}) +
-                    rows("wpe.weight", at::arange(pos, pos + t, at::kLong)).unsqueeze(0));
+    const at::Tensor positions = at::arange(pos, pos + t, at::kLong);
+    at::Tensor x = rows("wte.weight", flat).view({b, t, c.hidden()});
+    at::Tensor cos, sin;
+    if (c.positions() == models::Positions::kLearned)
+      x = x + rows("wpe.weight", positions).unsqueeze(0);
+    else
+      std::tie(cos, sin) = nn::rotary_cos_sin(inverse_frequencies, positions, at::kFloat, at::kCPU);
     for (int64_t i = 0; i < c.layers(); ++i) {
-      x = block(i, acquire(i), x);
+      x = block(i, acquire(i), x, cos, sin);
       release();
     }
-    x = at::layer_norm(x, {c.hidden()}, ln_f_w, ln_f_b, 1e-5);
+    x = norm(x, ln_f_w, ln_f_b);
     at::Tensor logits = at::zeros({b, t, c.vocab()}, at::kFloat);
     for (int64_t unit = c.layers(); unit < static_cast<int64_t>(units.size()); ++unit) {
-      const at::Tensor table = acquire(unit)[0];
+      const at::Tensor table = acquire(unit).at("table");
       logits.narrow(2, units[unit].head_row, table.size(0)).copy_(at::matmul(x, table.t()));
       release();
     }
@@ -293,11 +405,17 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     m.max_length = m.o.max_length() == 0 ? c.context() : m.o.max_length();
     TORCH_CHECK(m.max_length >= 1 && m.max_length <= c.context(), "StreamedGPT: max_length ", m.o.max_length(),
                 " must lie in [1, ", c.context(), "] (the context length; 0 means the context length)");
-    TORCH_CHECK(c.heads() % m.tp == 0 && (4 * c.hidden()) % m.tp == 0, "StreamedGPT: ", c.heads(), " heads and ",
-                4 * c.hidden(), " MLP columns must be divisible by the ", m.tp, " tensor-parallel ranks");
-    m.d = c.hidden() / c.heads();
+    const int64_t kv = c.num_kv_heads(), ffn = c.ffn_size();
+    TORCH_CHECK(c.heads() % m.tp == 0 && kv % m.tp == 0 && ffn % m.tp == 0, "StreamedGPT: ", c.heads(), " heads, ",
+                kv, " key/value heads and ", ffn, " MLP columns must be divisible by the ", m.tp,
+                " tensor-parallel ranks (streamed inference splits kv heads; it does not replicate them)");
+    m.d = c.dim_per_head();
     m.lh = c.heads() / m.tp;
-    m.lf = 4 * c.hidden() / m.tp;
+    m.lkv = kv / m.tp;
+    m.lf = ffn / m.tp;
+    if (c.positions() == models::Positions::kRotary)
+      m.inverse_frequencies =
+          nn::rotary_inverse_frequencies(nn::RotaryOptions(m.d).theta(c.rope_theta()).scaling(c.rope_scaling()));
     m.v0 = m.rank * c.vocab() / m.tp;
     m.v1 = (m.rank + 1) * c.vocab() / m.tp;
     m.head_name = c.tied() ? "wte.weight" : "lm_head.weight";
@@ -308,6 +426,7 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     for (int64_t r = m.v0; r < m.v1; r += chunk) {
       Unit u;
       u.head_row = r;
+      u.names.push_back("table");
       u.reads.push_back(m.w->plan(m.head_name, {r, 0}, {std::min(chunk, m.v1 - r), c.hidden()}));
       u.offsets.push_back(0);
       u.bytes = aligned(u.reads[0].bytes);
@@ -326,11 +445,12 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
         if (r.dtype != at::kFloat) largest_tensor = std::max(largest_tensor, r.bytes / int64_t(c10::elementSize(r.dtype)));
     }
     const int64_t b = m.o.batch(), len = m.max_length, h = c.hidden(), f = 4;
-    p.kv_bytes = 2 * c.layers() * b * m.lh * len * m.d * f;
+    p.kv_bytes = 2 * c.layers() * b * m.lkv * len * m.d * f;
     // A forward of max_length tokens: residual stream and norms, q/k/v, MLP
     // activations, scores and their softmax, full and chunk logits, and the
     // largest tensor converted to float when the weights are not float.
-    const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + 2 * m.lf + 2 * c.vocab() + p.buffer_bytes / row_bytes) +
+    const int64_t mlp = (c.mlp() == nn::MLPKind::kSwiGLU ? 3 : 2) * m.lf;
+    const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + mlp + 2 * c.vocab() + p.buffer_bytes / row_bytes) +
                            2 * b * m.lh * len * len + 2 * largest_tensor;
     p.work_bytes = floats * f;
     p.margin_bytes = std::max<int64_t>(16 << 20, m.o.max_memory() / 20);
@@ -350,10 +470,10 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     }
     // Allocate and (resident) read.
     m.ln_f_w = m.read_now({m.w->plan_whole("ln_f.weight")});
-    m.ln_f_b = m.read_now({m.w->plan_whole("ln_f.bias")});
+    if (c.norm() == nn::NormKind::kLayerNorm) m.ln_f_b = m.read_now({m.w->plan_whole("ln_f.bias")});
     for (int64_t i = 0; i < c.layers(); ++i) {
-      m.k_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
-      m.v_cache.push_back(at::zeros({b, m.lh, len, m.d}, at::kFloat));
+      m.k_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::kFloat));
+      m.v_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::kFloat));
     }
     if (p.resident) {
       for (const auto& u : m.units) {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <nlohmann/json.hpp>
 #include <torch/nn/modules/container/any.h>
 
 #include <algorithm>
@@ -76,6 +77,81 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 std::vector<std::string> GPTConfig::preset_names() {
   return {"tiny",       "small",      "medium",     "llama3-8b",  "llama3-70b", "mistral-7b", "mixtral-8x7b",
           "qwen2.5-7b", "qwen3-8b",   "llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny"};
+}
+
+namespace {
+
+const char* norm_name(nn::NormKind k) { return k == nn::NormKind::kRMSNorm ? "rmsnorm" : "layernorm"; }
+const char* positions_name(Positions p) { return p == Positions::kRotary ? "rotary" : "learned"; }
+const char* mlp_name(nn::MLPKind k) { return k == nn::MLPKind::kSwiGLU ? "swiglu" : "gelu"; }
+
+template <typename T>
+T named(const nlohmann::json& j, const char* key, T fallback, const std::vector<std::pair<std::string, T>>& names) {
+  if (!j.contains(key)) return fallback;
+  const std::string v = j.at(key).get<std::string>();
+  for (const auto& [name, value] : names)
+    if (name == v) return value;
+  TORCH_CHECK(false, "model config: \"", key, "\" is '", v, "', not one of its names");
+}
+
+}  // namespace
+
+std::string GPTConfig::to_json() const {
+  nlohmann::json j = {{"vocab", vocab_},       {"context", context_},         {"layers", layers_},
+                      {"heads", heads_},       {"hidden", hidden_},           {"tied", tied_},
+                      {"kv_heads", num_kv_heads()}, {"head_dim", dim_per_head()}, {"norm", norm_name(norm_)},
+                      {"norm_eps", norm_eps_}, {"positions", positions_name(positions_)}, {"rope_theta", rope_theta_},
+                      {"mlp", mlp_name(mlp_)}, {"ffn", ffn_size()},           {"bias", bias_},
+                      {"qkv_bias", qkv_bias_}, {"qk_norm", qk_norm_},         {"experts", experts_},
+                      {"moe_every", moe_every_}, {"top_k", top_k_},           {"renormalize", renormalize_}};
+  if (rope_scaling_) {
+    const auto& s = *rope_scaling_;
+    j["rope_scaling"] = {{"type", "llama3"},
+                         {"factor", s.factor()},
+                         {"low_freq_factor", s.low_freq_factor()},
+                         {"high_freq_factor", s.high_freq_factor()},
+                         {"original_context", s.original_context()}};
+  }
+  return j.dump();
+}
+
+GPTConfig GPTConfig::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "model config: not JSON (", e.what(), ")");
+  }
+  TORCH_CHECK(j.is_object(), "model config: a JSON object expected, got ", text);
+  GPTConfig c;
+  try {
+    c.vocab(j.value("vocab", c.vocab())).context(j.value("context", c.context())).layers(j.value("layers", c.layers()));
+    c.heads(j.value("heads", c.heads())).hidden(j.value("hidden", c.hidden())).tied(j.value("tied", c.tied()));
+    c.kv_heads(j.value("kv_heads", int64_t{0})).head_dim(j.value("head_dim", int64_t{0})).ffn(j.value("ffn", int64_t{0}));
+    c.norm(named<nn::NormKind>(j, "norm", c.norm(), {{"layernorm", nn::NormKind::kLayerNorm},
+                                                     {"rmsnorm", nn::NormKind::kRMSNorm}}));
+    c.positions(named<Positions>(j, "positions", c.positions(), {{"learned", Positions::kLearned},
+                                                                 {"rotary", Positions::kRotary}}));
+    c.mlp(named<nn::MLPKind>(j, "mlp", c.mlp(), {{"gelu", nn::MLPKind::kGelu}, {"swiglu", nn::MLPKind::kSwiGLU}}));
+    c.norm_eps(j.value("norm_eps", c.norm_eps())).rope_theta(j.value("rope_theta", c.rope_theta()));
+    c.bias(j.value("bias", c.bias())).qkv_bias(j.value("qkv_bias", c.qkv_bias())).qk_norm(j.value("qk_norm", false));
+    c.experts(j.value("experts", int64_t{0})).moe_every(j.value("moe_every", int64_t{1}));
+    c.top_k(j.value("top_k", int64_t{1})).renormalize(j.value("renormalize", false));
+    if (j.contains("rope_scaling")) {
+      const auto& s = j.at("rope_scaling");
+      TORCH_CHECK(s.value("type", std::string("llama3")) == "llama3", "model config: rope_scaling of type '",
+                  s.value("type", std::string()), "' is not carried out (only llama3 is)");
+      c.rope_scaling(nn::Llama3RopeScaling()
+                         .factor(s.value("factor", 8.0))
+                         .low_freq_factor(s.value("low_freq_factor", 1.0))
+                         .high_freq_factor(s.value("high_freq_factor", 4.0))
+                         .original_context(s.value("original_context", int64_t{8192})));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "model config: a value has the wrong type (", e.what(), ") in ", text);
+  }
+  c.check();
+  return c;
 }
 
 void GPTConfig::check() const {

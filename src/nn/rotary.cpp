@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace tessera {
 namespace nn {
@@ -22,6 +23,19 @@ at::Tensor rotary_inverse_frequencies(const RotaryOptions& o) {
   const at::Tensor blended = (1 - smooth) * scaled / s.factor() + smooth * scaled;
   const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
   return at::where(medium, blended, scaled);
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& inverse_frequencies, const at::Tensor& positions,
+                                                 at::ScalarType dtype, at::Device device) {
+  const at::Tensor angles =
+      at::outer(positions.to(device).to(at::kFloat), inverse_frequencies.to(device));  // [tokens, d/2]
+  const at::Tensor both = at::cat({angles, angles}, -1);
+  return {both.cos().to(dtype), both.sin().to(dtype)};
+}
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  return x * cos + at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1) * sin;
 }
 
 RotaryEmbeddingImpl::RotaryEmbeddingImpl(const RotaryOptions& options_) : options(options_) { reset(); }
@@ -50,15 +64,10 @@ at::Tensor RotaryEmbeddingImpl::forward(const at::Tensor& x, const at::Tensor& p
   const bool cached = cos_.defined() && cos_.device() == x.device() && cos_.scalar_type() == x.scalar_type() &&
                       positions_.sizes() == positions.sizes() && positions_.equal(positions.to(positions_.device()));
   if (!cached) {
-    const at::Tensor angles =
-        at::outer(positions.to(x.device()).to(at::kFloat), inverse_frequencies_.to(x.device()));  // [tokens, d/2]
-    const at::Tensor both = at::cat({angles, angles}, -1);
     positions_ = positions.to(at::kCPU).clone();
-    cos_ = both.cos().to(x.scalar_type());
-    sin_ = both.sin().to(x.scalar_type());
+    std::tie(cos_, sin_) = rotary_cos_sin(inverse_frequencies_, positions, x.scalar_type(), x.device());
   }
-  const at::Tensor halves_swapped = at::cat({-x.narrow(-1, d / 2, d / 2), x.narrow(-1, 0, d / 2)}, -1);
-  return x * cos_ + halves_swapped * sin_;
+  return apply_rotary(x, cos_, sin_);
 }
 
 void RotaryEmbeddingImpl::pretty_print(std::ostream& stream) const {

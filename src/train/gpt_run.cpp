@@ -156,7 +156,7 @@ std::string GPTRun::describe() const {
 }
 
 std::string GPTRun::metadata(int64_t step) const {
-  return fmt::format(R"({{"step": {}, "gpt": {{"heads": {}}}}})", step, config_.heads());
+  return fmt::format(R"({{"step": {}, "gpt": {}}})", step, config_.to_json());
 }
 
 void GPTRun::finish() {

@@ -1,7 +1,9 @@
 #pragma once
 // StreamedGPT: inference of a GPT (models::GPT's weights, Note [GPT full
-// weights]) whose weights stay on disk, in a process whose memory is a
-// fraction of them. Layers are read one at a time into a few buffers, the
+// weights]; GPT-2 or any Llama-family architecture the weights' metadata
+// records: RMSNorm, rotary positions, grouped-query attention whose KV cache
+// holds the kv heads only, q/k norms, SwiGLU; no experts) whose weights stay
+// on disk, in a process whose memory is a fraction of them. Layers are read one at a time into a few buffers, the
 // next layer's weights while this one computes; with a budget that holds
 // them all, every weight is read once and stays in memory. Optionally
 // tensor-parallel over a group: each rank reads and computes its heads, its
@@ -14,7 +16,7 @@
 //   at::Tensor logits = model.forward(prompt);   // [1, t, vocab]
 //
 // Note [Streamed inference]
-// Units. A block's twelve tensors (this rank's shard) are one unit; the LM
+// Units. A block's tensors (this rank's shard) are one unit; the LM
 // head (the token embedding when tied) is cut into chunks of vocabulary
 // rows no larger than a block; ln_f is always in memory; token and
 // position embeddings are read a row per token as tokens arrive.
@@ -35,7 +37,8 @@
 // load is issued when its unit is needed. What the compute waits for a load
 // is the stall; hidden_fraction() = 1 - stall / read time.
 // Tensor parallelism. Ranks split heads (c_attn rows, whose [3h, h] layout
-// groups q, k, v per head), MLP columns (c_fc rows, c_proj columns) and
+// groups q, k, v per head; or q_proj rows and kv_proj rows, grouped per kv
+// head), MLP columns (c_gate and c_fc rows, c_proj columns) and
 // vocabulary rows; an all-reduce after each block's two projections adds
 // the partial sums, and one after the head assembles the logits. Every
 // rank passes the same ids and gets the same full logits.
@@ -133,9 +136,12 @@ class StreamedGPT : public TokenModel {
   std::unique_ptr<Impl> impl_;
 };
 
-// A GPT's config from stored weights: sizes from the shapes, heads from the
-// metadata ({"gpt": {"heads": H}}, or under "extra" where Trainer::save put
-// the caller's metadata, as train_gpt's) or `heads` (> 0 wins). Refuses weights that are not a dense GPT, naming what is missing.
+// A GPT's config from stored weights: the architecture its metadata records
+// ({"gpt": GPTConfig::to_json()}, or under "extra" where Trainer::save put the
+// caller's metadata, as train_gpt's), checked against the shapes; without
+// one, GPT-2 from the shapes with heads from the metadata ({"gpt": {"heads":
+// H}}) or `heads` (> 0 wins). Refuses weights that are not a dense GPT,
+// naming what is missing.
 models::GPTConfig gpt_config_from_weights(const StoredWeights& weights, int64_t heads = 0);
 
 }  // namespace infer

@@ -105,6 +105,13 @@ struct GPTConfig {
   // "qwen3-tiny", "mixtral-tiny".
   static GPTConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();  // GPT-2's three first
+
+  // The architecture and sizes as a JSON object (what checkpoints and weight
+  // files carry under "gpt", so that inference rebuilds the model), and back;
+  // keys missing from the object keep GPT-2's defaults, so {"heads": 12}
+  // (what earlier checkpoints carry) reads as GPT-2.
+  std::string to_json() const;
+  static GPTConfig from_json(const std::string& json);
 };
 
 // The load balance of a model's last MoE forward, over the ranks of a

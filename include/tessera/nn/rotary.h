@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <utility>
 
 namespace tessera {
 namespace nn {
@@ -39,6 +40,12 @@ struct RotaryOptions {
 
 // The inverse frequencies θ^(-2i/d), i < d/2, after scaling; fp32 [d/2].
 at::Tensor rotary_inverse_frequencies(const RotaryOptions& options);
+// cos and sin [tokens, d] of the angles positions ⊗ inverse_frequencies
+// (computed in fp32), in `dtype` on `device`.
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& inverse_frequencies, const at::Tensor& positions,
+                                                 at::ScalarType dtype, at::Device device);
+// x [..., tokens, d] rotated: x·cos + rotate_half(x)·sin.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 class RotaryEmbeddingImpl : public torch::nn::Cloneable<RotaryEmbeddingImpl> {
  public:
