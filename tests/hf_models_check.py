@@ -97,7 +97,7 @@ targets = torch.randint(0, 101, (2, 16), generator=gen)
 save_file({"ids": ids}, os.path.join(work, "ids.safetensors"))
 for preset, cfg in MODELS:
     torch.manual_seed(11)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
