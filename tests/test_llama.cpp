@@ -268,6 +268,8 @@ TEST(LlamaRefusals, BadConfigurationsNameTheValueAndTheRule) {
   EXPECT_ERROR_CONTAINS(make(models::GPTConfig(llama).head_dim(7)), "rotary position embeddings need an even head "
                                                                       "dimension; got head_dim 7");
   EXPECT_ERROR_CONTAINS(models::GPTConfig::preset("llama4-tiny"), "unknown model preset 'llama4-tiny'; presets: tiny");
+  EXPECT_ERROR_CONTAINS(make(models::GPTConfig(llama).positions(models::Positions::kLearned)),
+                        "rope_scaling is set, but the positions are learned");
   EXPECT_ERROR_CONTAINS(make(models::GPTConfig(llama).top_k(2)),
                         "the mixture-of-experts option top_k is set, but the model is dense (experts 0)");
   // 2 kv heads on 4 ranks are replicated; 6 of 12 heads on 4 ranks can be neither split nor replicated.

@@ -168,6 +168,9 @@ void GPTConfig::check() const {
   TORCH_CHECK(positions_ != Positions::kRotary || dim_per_head() % 2 == 0,
               "rotary position embeddings need an even head dimension; got head_dim ", dim_per_head(),
               "; choose an even head dimension or learned positions");
+  TORCH_CHECK(positions_ == Positions::kRotary || !rope_scaling_,
+              "rope_scaling is set, but the positions are learned (it scales rotary frequencies); set rotary "
+              "positions or leave rope_scaling unset");
   TORCH_CHECK(norm_eps_ > 0, "norm_eps must be positive, got ", norm_eps_);
   TORCH_CHECK(experts_ >= 0 && moe_every_ >= 1, "experts (", experts_, ") must be >= 0 and moe_every (", moe_every_,
               ") >= 1");

@@ -244,6 +244,8 @@ void RunOptions::check(int world_size) const {
     TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
   TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());
   model().check();  // the architecture's rules (kv heads, rotary head dimension, MoE options on a dense model)
+  TORCH_CHECK(!was_given("rope-theta") || model().positions() == models::Positions::kRotary,
+              "--rope-theta is only read with rotary positions; add --positions rotary (or a Llama-family --model)");
   TORCH_CHECK((offload() == Offload::kDisk) == !offload_dir().empty(),
               offload() == Offload::kDisk ? "--offload disk needs --offload-dir DIR (a directory on a local disk)"
                                           : "--offload-dir is only read with --offload disk");
