@@ -75,8 +75,12 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 }
 
 std::vector<std::string> GPTConfig::preset_names() {
-  return {"tiny",       "small",      "medium",     "llama3-8b",  "llama3-70b", "mistral-7b", "mixtral-8x7b",
-          "qwen2.5-7b", "qwen3-8b",   "llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny"};
+  return {// GPT-2
+          "tiny", "small", "medium",
+          // the Llama family
+          "llama3-8b", "llama3-70b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen3-8b",
+          // test-sized
+          "llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny"};
 }
 
 namespace {
@@ -127,7 +131,8 @@ GPTConfig GPTConfig::from_json(const std::string& text) {
   try {
     c.vocab(j.value("vocab", c.vocab())).context(j.value("context", c.context())).layers(j.value("layers", c.layers()));
     c.heads(j.value("heads", c.heads())).hidden(j.value("hidden", c.hidden())).tied(j.value("tied", c.tied()));
-    c.kv_heads(j.value("kv_heads", int64_t{0})).head_dim(j.value("head_dim", int64_t{0})).ffn(j.value("ffn", int64_t{0}));
+    c.kv_heads(j.value("kv_heads", int64_t{0})).head_dim(j.value("head_dim", int64_t{0}));
+    c.ffn(j.value("ffn", int64_t{0}));
     c.norm(named<nn::NormKind>(j, "norm", c.norm(), {{"layernorm", nn::NormKind::kLayerNorm},
                                                      {"rmsnorm", nn::NormKind::kRMSNorm}}));
     c.positions(named<Positions>(j, "positions", c.positions(), {{"learned", Positions::kLearned},
