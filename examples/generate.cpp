@@ -89,6 +89,18 @@ tessera::cli::Command command(Args& a) {
   return c;
 }
 
+
+// "GPT 4 layers, hidden 128, 4 heads", and what differs from GPT-2's architecture.
+std::string describe(const tessera::models::GPTConfig& c) {
+  std::string s = fmt::format("GPT {} layers, hidden {}, {} heads", c.layers(), c.hidden(), c.heads());
+  if (c.grouped_attention()) s += fmt::format(" ({} key/value)", c.num_kv_heads());
+  if (c.norm() == tessera::nn::NormKind::kRMSNorm) s += ", RMSNorm";
+  if (c.positions() == tessera::models::Positions::kRotary) s += ", rotary";
+  if (c.qk_norm()) s += ", q/k norms";
+  if (c.mlp() == tessera::nn::MLPKind::kSwiGLU) s += ", SwiGLU";
+  return s;
+}
+
 int run(const Args& a) {
   TORCH_CHECK(!a.weights.empty(), "--weights is required: a safetensors file or a checkpoint directory");
   const int64_t max_memory = a.max_memory;
@@ -119,8 +131,8 @@ int run(const Args& a) {
   const auto& c = model.config();
   const bool rank0 = world->rank() == 0;
   if (rank0)
-    fmt::print(stderr, "tessera_generate: GPT {} layers, hidden {}, {} heads, vocab {} on {} rank(s); {}\n", c.layers(),
-               c.hidden(), c.heads(), c.vocab(), world->size(), model.plan().describe());
+    fmt::print(stderr, "tessera_generate: {}, vocab {} on {} rank(s); {}\n", describe(c), c.vocab(), world->size(),
+               model.plan().describe());
   const at::Tensor prompt = at::tensor(prompt_ids, at::kLong).unsqueeze(0).repeat({batch, 1});
   model.reset_stats();
   const auto gen = tessera::infer::generate(model, prompt, tokens,

@@ -58,7 +58,7 @@ struct Args {
 cli::Command command(Args& a) {
   cli::Command c("tessera_plan", "the planner's best parallel layouts and sharding for a model on a cluster");
   c.group("Model");
-  c.add("model", &a.model, "a preset (gpt2-medium, llama-7b, ...) instead of the shapes below");
+  c.add("model", &a.model, "a preset (gpt-medium, llama-7b, llama3-8b, mixtral-8x7b, ...) instead of the shapes below");
   c.add("layers", &a.gpt.layers(), "GPT blocks");
   c.add("hidden", &a.gpt.hidden(), "hidden size");
   c.add("heads", &a.gpt.heads(), "attention heads");
