@@ -274,10 +274,12 @@ TEST(LlamaRefusals, BadConfigurationsNameTheValueAndTheRule) {
                         "the mixture-of-experts option top_k is set, but the model is dense (experts 0)");
   // 2 kv heads on 4 ranks are replicated; 6 of 12 heads on 4 ranks can be neither split nor replicated.
   EXPECT_ERROR_CONTAINS(make(models::GPTConfig(llama).heads(12).hidden(48).kv_heads(6)),
-                        "the 6 key/value heads can neither be split over the 4 tensor ranks nor replicated");
+                        "the 6 key/value heads can neither be split over the 4 head blocks of tensor mode 1d",
+                        "the tensor size must be a multiple of them");
   auto grid = context::ParallelContext::create(world, ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D));
   EXPECT_ERROR_CONTAINS(models::GPTImpl(models::GPTConfig(llama).kv_heads(1), nn::make_layer_factory(grid)),
-                        "the 1 key/value heads cannot be split over the 2 head blocks of tensor mode 2d");
+                        "the 1 key/value heads can neither be split over the 2 head blocks of tensor mode 2d",
+                        "only tensor mode 1d replicates kv heads");
 }
 
 }  // namespace

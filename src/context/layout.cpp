@@ -41,6 +41,16 @@ void check_supported(const Layout& layout) {
               "tokens); use sequence parallelism (sequence size > 1) instead of the variant, or expert size 1");
 }
 
+bool kv_heads_replicated(int64_t kv_heads, int64_t split, bool can_replicate, const std::string& mode) {
+  if (kv_heads % split == 0) return false;
+  TORCH_CHECK(can_replicate && split % kv_heads == 0, "the ", kv_heads,
+              " key/value heads can neither be split over the ", split, " head blocks of ", mode,
+              " nor replicated on them (",
+              can_replicate ? "the tensor size must be a multiple of them" : "only tensor mode 1d replicates kv heads",
+              "); choose kv heads divisible by ", split, can_replicate ? " or a tensor size that they divide" : "");
+  return true;
+}
+
 void check_shape(const Layout& layout, const ModelShape& shape) {
   check_supported(layout);
   const ParallelConfig& c = layout.grid();
@@ -53,14 +63,7 @@ void check_shape(const Layout& layout, const ModelShape& shape) {
                            std::to_string(c.tensor());
   const int64_t q = g.q();
   if (shape.heads() > 0) check_divides(shape.heads(), q, "the number of attention heads", mode + " splits heads over");
-  // Note [Replicated key/value heads]: 1D holds one kv head per rank where
-  // there are fewer kv heads than ranks; the grids split them only.
-  const int64_t kv = shape.kv_heads();
-  if (kv > 0 && kv % q != 0)
-    TORCH_CHECK(!grid_mode(c) && q % kv == 0, "the ", kv, " key/value heads can neither be split over the ", q,
-                " head blocks of ", mode, " nor replicated on them (",
-                grid_mode(c) ? "only tensor mode 1d replicates kv heads" : "the tensor size must be a multiple of them",
-                "); choose kv heads divisible by ", q, grid_mode(c) ? "" : " or a tensor size that they divide");
+  if (shape.kv_heads() > 0) kv_heads_replicated(shape.kv_heads(), q, !grid_mode(c), mode);
   if (c.tensor_mode() == TensorMode::k3D && c.tensor() > 1) {
     if (shape.hidden() > 0) check_divides(shape.hidden(), q * q, "the hidden size", mode + " splits inputs over (q²)");
     if (shape.ffn() > 0) check_divides(shape.ffn(), q * q, "the MLP width", mode + " splits inputs over (q²)");

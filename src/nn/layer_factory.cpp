@@ -43,10 +43,7 @@ torch::nn::AnyModule LayerFactory::head_norm(int64_t head_dim, double eps) {
 }
 
 torch::nn::AnyModule LayerFactory::kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias) {
-  const int64_t split = head_split();
-  TORCH_CHECK(kv_heads % split == 0, "the ", kv_heads, " key/value heads cannot be split over the ", split,
-              " head blocks of tensor mode ", mode(), " (each block holds whole kv heads here; only the 1D layers "
-              "replicate kv heads); choose kv heads divisible by ", split, " or tensor mode 1d");
+  context::kv_heads_replicated(kv_heads, head_split(), /*can_replicate=*/false, "tensor mode " + mode());
   return linear(in, kv_heads * rows_per_head, LinearRole::kColumnEntered, bias);
 }
 

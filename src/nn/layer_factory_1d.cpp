@@ -1,5 +1,6 @@
 // The 1D (Megatron) layer factory and its sequence-parallel variant.
 #include "tessera/comm/functional.h"
+#include "tessera/context/layout.h"
 #include "tessera/core/hash.h"
 #include "tessera/nn/column_parallel_linear.h"
 #include "tessera/nn/init.h"
@@ -128,12 +129,8 @@ class Factory1D : public LayerFactory {
     return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(eps)));
   }
   torch::nn::AnyModule kv_linear(int64_t in, int64_t kv_heads, int64_t rows_per_head, bool bias) override {
-    const int64_t n = group_->size();
-    if (kv_heads % n == 0) return LayerFactory::kv_linear(in, kv_heads, rows_per_head, bias);
-    TORCH_CHECK(n % kv_heads == 0, "the ", kv_heads, " key/value heads can neither be split over the ", n,
-                " tensor ranks nor replicated on them (the tensor size must be a multiple of the kv heads, so that "
-                "each rank's query heads share one kv head); choose a tensor size that divides or is a multiple of ",
-                kv_heads);
+    if (!context::kv_heads_replicated(kv_heads, group_->size(), /*can_replicate=*/true, "tensor mode " + mode()))
+      return linear(in, kv_heads * rows_per_head, LinearRole::kColumnEntered, bias);
     const auto& [shards, replicas] = kv_groups(kv_heads);
     // Drawn like any layer (one seed per layer); the model's initialization
     // then fills every replica alike from the full tensor's blocks.

@@ -61,5 +61,12 @@ struct ModelShape {
 // quantity, the rule and the layout.
 void check_shape(const Layout& layout, const ModelShape& shape);
 
+// Note [Replicated key/value heads]: `kv_heads` over `split` head blocks of
+// `mode` (text for messages). Splits where split divides them; otherwise,
+// where `can_replicate` (1D) and split is a multiple of them, each block
+// holds one replicated kv head. Anything else is refused. Returns whether
+// they are replicated. check_shape and the layer factories both ask it.
+bool kv_heads_replicated(int64_t kv_heads, int64_t split, bool can_replicate, const std::string& mode);
+
 }  // namespace context
 }  // namespace tessera
