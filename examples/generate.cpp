@@ -5,6 +5,7 @@
 //
 //   tessera_generate --weights gpt.safetensors --max-memory 512M --tokens 64 --prompt-text "Once"
 //   mpirun -np 2 tessera_generate --weights ckpt/final --prompt 1,2,3 --temperature 0 --out gen.json
+//   tessera_generate --model hf:Llama-3.2-1B --prompt 128000,791 --tokens 16
 //
 // Every option and its default: tessera_generate --help (docs/cli.md).
 // Rank 0 prints one JSON line of measurements; the peak resident memory is
@@ -59,7 +60,7 @@ std::vector<int64_t> parse_ids(const std::string& text) {
 }
 
 struct Args {
-  std::string weights, prompt = "0", prompt_text, out, logits_out;
+  std::string weights, model, prompt = "0", prompt_text, out, logits_out;
   int64_t heads = 0, tokens = 32, batch = 1, top_k = 0, max_memory = 0, buffers = 0, io_threads = 2;
   uint64_t seed = 1;
   double temperature = 0.8;
@@ -68,7 +69,8 @@ struct Args {
 
 tessera::cli::Command command(Args& a) {
   tessera::cli::Command c("tessera_generate", "text from a GPT whose weights stay on disk, under a memory budget");
-  c.add("weights", &a.weights, "a safetensors file or a checkpoint directory (required)");
+  c.add("weights", &a.weights, "a safetensors file or a checkpoint directory (this or --model)");
+  c.add("model", &a.model, "hf:DIR, a Hugging Face model directory of the Llama family (docs/huggingface.md)");
   c.add("heads", &a.heads, "attention heads, when the weights' metadata does not say; 0: the metadata's");
   c.add("prompt", &a.prompt, "token ids, comma-separated");
   c.add("prompt-text", &a.prompt_text, "the prompt as bytes (byte-level vocabularies of 256, as train_gpt's)");
@@ -101,8 +103,14 @@ std::string describe(const tessera::models::GPTConfig& c) {
   return s;
 }
 
-int run(const Args& a) {
-  TORCH_CHECK(!a.weights.empty(), "--weights is required: a safetensors file or a checkpoint directory");
+int run(Args a) {
+  TORCH_CHECK(a.weights.empty() != a.model.empty(), "give one of --weights (a safetensors file or a checkpoint "
+              "directory) and --model hf:DIR (a Hugging Face model directory)");
+  if (!a.model.empty()) {
+    TORCH_CHECK(a.model.rfind("hf:", 0) == 0, "--model takes hf:DIR, a Hugging Face model directory; got '", a.model,
+                "'");
+    a.weights = a.model;
+  }
   const int64_t max_memory = a.max_memory;
   const bool prefetch = !a.no_prefetch, drop_cache = a.drop_cache;
   auto world = tessera::comm::make_world_communicator();

@@ -64,7 +64,7 @@ int run_training(train::RunOptions options) {
   std::optional<planner::Estimate> predicted;
   if (options.plan() != train::PlanMode::kNone) predicted = train::plan_run(options, world, log);
 
-  train::GPTRun run(world, options, data.vocab());
+  train::GPTRun run(world, options, options.init_from().empty() ? data.vocab() : data.needed_vocab());
   if (!options.resume().empty())
     log.print(fmt::format("resumed from {} at step {}", options.resume(), run.start_step()));
   const double flops_per_token = train::gpt_flops_per_token(run.config(), options.seq());
@@ -148,6 +148,8 @@ int run_training(train::RunOptions options) {
   const std::string final_dir = run.save_final();
   const auto sample = run.consolidate_and_sample(final_dir, data.vocab() == 256 ? int64_t{'\n'} : 0);
   if (!options.consolidate().empty()) log.print(fmt::format("consolidated weights: {}", options.consolidate()));
+  run.export_hf(final_dir);
+  if (!options.export_hf().empty()) log.print(fmt::format("Hugging Face model: {}", options.export_hf()));
   if (!sample.empty())
     log.print(fmt::format("final loss {:.4f}; sampled text (temperature 0.8):\n{}", last_loss,
                           as_text(sample, data.vocab())));

@@ -1,6 +1,7 @@
 #include "tessera/infer/stored_weights.h"
 
 #include "tessera/infer/checkpoint_reader.h"
+#include "tessera/infer/hf_checkpoint.h"
 #include "tessera/core/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -40,6 +41,7 @@ struct StoredWeights::Impl {
   StoredWeightsOptions options;
   std::unique_ptr<SafetensorsFile> single;
   std::unique_ptr<CheckpointReader> checkpoint;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> hf_files;
   std::string metadata = "{}";
   std::vector<std::string> file_paths;
   std::vector<std::unique_ptr<AsyncFile>> files;
@@ -67,6 +69,10 @@ StoredWeights::StoredWeights(const std::string& path, StoredWeightsOptions optio
   m.path = path;
   m.options = options;
   TORCH_CHECK(options.io_threads() >= 1, "StoredWeights: io_threads must be >= 1, got ", options.io_threads());
+  if (path.rfind("hf:", 0) == 0) {
+    open_hf(path.substr(3));
+    return;
+  }
   TORCH_CHECK(fs::exists(path) || fs::is_directory(path + ".old"), "weights '", path,
               "' do not exist; pass a safetensors file (tessera_consolidate writes one) or a checkpoint directory");
   if (!fs::is_directory(path) && fs::exists(path)) {
@@ -113,6 +119,54 @@ StoredWeights::StoredWeights(const std::string& path, StoredWeightsOptions optio
       m.tensors[full.substr(options.prefix().size())] = std::move(t);
     }
     TORCH_CHECK(!m.tensors.empty(), "checkpoint ", path, " has no tensors named ", options.prefix(), "...");
+  }
+  m.checked.assign(m.pieces.size(), 0);
+}
+
+// Each part of a tessera tensor is a stored piece (Note [Checkpoint layout]):
+// rows [begin, begin + rows) of it lie contiguous in the Hugging Face
+// tensor's bytes from its row offset on; an expert is a whole tensor.
+void StoredWeights::open_hf(const std::string& dir) {
+  Impl& m = *impl_;
+  const HFCheckpoint hf(dir, m.options.io_threads());  // checks config.json, the files and every shape
+  m.metadata = "{\"gpt\": " + hf.config().to_json() + "}";
+  for (const auto& [name, entry] : hf.table()) {
+    Tensor t;
+    t.shape = entry.shape;
+    for (const auto& part : entry.parts) {
+      TORCH_CHECK(part.kind != models::HFPart::Kind::kTransposed, "weights hf:", dir, " are GPT-2's, whose "
+                  "Conv1D matrices are stored transposed and cannot be read in row boxes; import them with train_gpt "
+                  "--init-from and stream the checkpoint it saves");
+      const std::string& file = hf.file_of(part.name);
+      auto& opened = m.hf_files[file];
+      if (!opened) opened = std::make_unique<SafetensorsFile>(file);
+      Piece p;
+      p.file = m.file_index(file);
+      p.key = part.name;
+      p.source = opened.get();
+      p.location = opened->location(part.name);
+      const std::vector<int64_t> rest(entry.shape.begin() + 1, entry.shape.end());
+      int64_t row = 1;
+      for (int64_t d : rest) row *= d;
+      const int64_t es = static_cast<int64_t>(c10::elementSize(p.location.dtype));
+      p.offset.assign(entry.shape.size(), 0);
+      p.offset[0] = part.begin;
+      p.length = entry.shape;
+      p.length[0] = part.rows;
+      // The part starts at its row of the Hugging Face tensor and spans its
+      // trailing dimensions whole (the Llama family's tables: offsets in
+      // dimension 0 alone).
+      for (size_t d = 1; d < part.offset.size(); ++d)
+        TORCH_INTERNAL_ASSERT(part.offset[d] == 0, "a Hugging Face part that starts inside a row");
+      if (part.kind == models::HFPart::Kind::kRows) p.location.offset += part.offset.at(0) * row * es;
+      p.location.bytes = part.rows * row * es;
+      p.location.has_checksum = false;
+      p.flat_end = part.rows * row;
+      t.dtype = p.location.dtype;
+      t.pieces.push_back(static_cast<int>(m.pieces.size()));
+      m.pieces.push_back(std::move(p));
+    }
+    m.tensors[name] = std::move(t);
   }
   m.checked.assign(m.pieces.size(), 0);
 }

@@ -331,7 +331,7 @@ struct StreamedGPT::Impl {
     const at::Tensor up = at::linear(n, p.at("mlp.c_fc.weight"), optional(p, "mlp.c_fc.bias"));
     const at::Tensor m = c.mlp() == nn::MLPKind::kSwiGLU
                              ? at::silu(at::linear(n, p.at("mlp.c_gate.weight"), optional(p, "mlp.c_gate.bias"))) * up
-                             : at::gelu(up);
+                             : at::gelu(up, c.mlp() == nn::MLPKind::kGeluTanh ? "tanh" : "none");
     at::Tensor out = y + all_reduce(at::linear(m, p.at("mlp.c_proj.weight")));
     if (c.bias()) out = out + p.at("mlp.c_proj.bias");
     return out;

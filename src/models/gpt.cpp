@@ -87,7 +87,9 @@ namespace {
 
 const char* norm_name(nn::NormKind k) { return k == nn::NormKind::kRMSNorm ? "rmsnorm" : "layernorm"; }
 const char* positions_name(Positions p) { return p == Positions::kRotary ? "rotary" : "learned"; }
-const char* mlp_name(nn::MLPKind k) { return k == nn::MLPKind::kSwiGLU ? "swiglu" : "gelu"; }
+const char* mlp_name(nn::MLPKind k) {
+  return k == nn::MLPKind::kSwiGLU ? "swiglu" : k == nn::MLPKind::kGeluTanh ? "gelu-tanh" : "gelu";
+}
 
 template <typename T>
 T named(const nlohmann::json& j, const char* key, T fallback, const std::vector<std::pair<std::string, T>>& names) {
@@ -137,7 +139,8 @@ GPTConfig GPTConfig::from_json(const std::string& text) {
                                                      {"rmsnorm", nn::NormKind::kRMSNorm}}));
     c.positions(named<Positions>(j, "positions", c.positions(), {{"learned", Positions::kLearned},
                                                                  {"rotary", Positions::kRotary}}));
-    c.mlp(named<nn::MLPKind>(j, "mlp", c.mlp(), {{"gelu", nn::MLPKind::kGelu}, {"swiglu", nn::MLPKind::kSwiGLU}}));
+    c.mlp(named<nn::MLPKind>(j, "mlp", c.mlp(), {{"gelu", nn::MLPKind::kGelu}, {"swiglu", nn::MLPKind::kSwiGLU},
+                                                  {"gelu-tanh", nn::MLPKind::kGeluTanh}}));
     c.norm_eps(j.value("norm_eps", c.norm_eps())).rope_theta(j.value("rope_theta", c.rope_theta()));
     c.bias(j.value("bias", c.bias())).qkv_bias(j.value("qkv_bias", c.qkv_bias())).qk_norm(j.value("qk_norm", false));
     c.experts(j.value("experts", int64_t{0})).moe_every(j.value("moe_every", int64_t{1}));
@@ -189,6 +192,8 @@ void GPTConfig::check() const {
     TORCH_CHECK(set == nullptr, "the mixture-of-experts option ", set,
                 " is set, but the model is dense (experts 0); set experts, or leave ", set, " at its default");
   }
+  TORCH_CHECK(experts_ == 0 || mlp_ != nn::MLPKind::kGeluTanh,
+              "the experts compute GELU or SwiGLU, not GELU's tanh approximation; choose mlp gelu or swiglu");
   TORCH_CHECK(experts_ == 0 || moe_every_ <= layers_, "moe_every ", moe_every_, " exceeds the ", layers_,
               " layers, so no block would have experts; lower moe_every");
   TORCH_CHECK(experts_ == 0 || (top_k_ >= 1 && top_k_ <= experts_), "top-k ", top_k_, " must be between 1 and the ",

@@ -57,7 +57,8 @@ at::Tensor LocalAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k,
   return at::matmul(dropout_.forward(at::softmax(scores, -1)), v);
 }
 
-MLPImpl::MLPImpl(torch::nn::AnyModule fc, torch::nn::AnyModule proj) : c_fc(std::move(fc)), c_proj(std::move(proj)) {
+MLPImpl::MLPImpl(torch::nn::AnyModule fc, torch::nn::AnyModule proj, bool tanh_gelu)
+    : c_fc(std::move(fc)), c_proj(std::move(proj)), tanh_gelu_(tanh_gelu) {
   register_module("c_fc", c_fc.ptr());
   register_module("c_proj", c_proj.ptr());
 }
@@ -71,7 +72,7 @@ MLPImpl::MLPImpl(torch::nn::AnyModule gate, torch::nn::AnyModule fc, torch::nn::
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  if (c_gate.is_empty()) return c_proj.forward(at::gelu(c_fc.forward(x)));
+  if (c_gate.is_empty()) return c_proj.forward(at::gelu(c_fc.forward(x), tanh_gelu_ ? "tanh" : "none"));
   const at::Tensor in = entry_(x);
   return c_proj.forward(at::silu(c_gate.forward(in)) * c_fc.forward(in));
 }

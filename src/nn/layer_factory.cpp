@@ -24,7 +24,8 @@ torch::nn::AnyModule LayerFactory::mlp(int64_t hidden, int64_t ffn, MLPKind kind
         MLP(std::move(gate), std::move(fc), linear(ffn, hidden, LinearRole::kRow, bias), column_entry()));
   }
   auto fc = linear(hidden, ffn, LinearRole::kColumn, bias);
-  return torch::nn::AnyModule(MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, bias)));
+  return torch::nn::AnyModule(
+      MLP(std::move(fc), linear(ffn, hidden, LinearRole::kRow, bias), kind == MLPKind::kGeluTanh));
 }
 
 int64_t LayerFactory::local_kv_heads(int64_t kv_heads) const {

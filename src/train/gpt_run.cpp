@@ -4,6 +4,7 @@
 #include "tessera/nn/layer_factory.h"
 #include "tessera/optim/by_name.h"
 #include "tessera/train/checkpoint.h"
+#include "tessera/infer/hf_checkpoint.h"
 #include "tessera/infer/windowed_gpt.h"
 
 #include <ATen/ATen.h>
@@ -60,8 +61,25 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
       config_(models::GPTConfig(run_.model()).vocab(vocab)),
       schedule_(run_.elastic() ? BatchSchedule::parse(run_.batch_schedule()) : BatchSchedule::constant(run_.batch())) {
   run_.check(world_->size());
+  // --init-from hf:DIR: every rank opens it, so that a bad directory is refused on every rank.
+  std::unique_ptr<infer::HFCheckpoint> hf;
+  if (!run_.hf_init_dir().empty()) {
+    hf = std::make_unique<infer::HFCheckpoint>(run_.hf_init_dir());
+    models::GPTConfig c = hf->config();
+    // The run's choices that are not the architecture.
+    const auto& m = run_.model();
+    c.dropout(m.dropout()).checkpoint_activations(m.checkpoint_activations()).capacity_factor(m.capacity_factor());
+    c.drop_policy(m.drop_policy());
+    if (c.positions() == models::Positions::kRotary) c.context(run_.seq());
+    hf->hf().check_sequence(run_.seq());
+    TORCH_CHECK(vocab <= c.vocab(), "the token data needs a vocabulary of ", vocab, " (its metadata's vocab_size, or "
+                "its largest id + 1), but ", hf->dir(), "'s model has ", c.vocab(), " tokens: tokenize the data with "
+                "this model's tokenizer (scripts/tokenize.py)");
+    config_ = c;
+    hf_config_ = hf->hf().json;
+  }
   // Note [Final weights without --save]: a temporary directory rank 0 reads.
-  if (run_.save().empty() && (run_.sample() > 0 || !run_.consolidate().empty())) {
+  if (run_.save().empty() && (run_.sample() > 0 || !run_.consolidate().empty() || !run_.export_hf().empty())) {
     const int hosts = context::map_hosts(*world_).hosts();
     TORCH_CHECK(hosts == 1, "--sample and --consolidate read the final weights on rank 0; without --save they pass "
                 "through a temporary directory, but the ranks span ", hosts, " hosts, whose temporary directories "
@@ -97,6 +115,8 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
       t->load(resume);
       start_ = t->step();
     }
+  } else if (hf) {
+    if (Trainer* t = trainer()) t->load_weights(*hf);
   }
   if (gpt_)
     for (const auto& entry : gpt_->placements()) {
@@ -156,7 +176,18 @@ std::string GPTRun::describe() const {
 }
 
 std::string GPTRun::metadata(int64_t step) const {
-  return fmt::format(R"({{"step": {}, "gpt": {}}})", step, config_.to_json());
+  nlohmann::json meta = {{"step", step}, {"gpt", nlohmann::json::parse(config_.to_json())}};
+  if (!hf_config_.empty()) meta["hf"] = hf_config_;  // written back by --export-hf (infer::export_hf)
+  return meta.dump();
+}
+
+void GPTRun::export_hf(const std::string& final_dir) {
+  if (run_.export_hf().empty()) return;
+  TORCH_INTERNAL_ASSERT(!final_dir.empty(), "--export-hf without the final weights");
+  infer::HFExportOptions options;
+  options.shard_bytes(run_.export_shard_mb() * 1000 * 1000);
+  if (!run_.export_dtype().empty()) options.dtype(infer::hf_dtype(run_.export_dtype()));
+  infer::export_hf(final_dir, run_.export_hf(), world_, options);
 }
 
 void GPTRun::finish() {
@@ -173,7 +204,7 @@ std::string GPTRun::save_final() {
   std::string dir;
   if (!run_.save().empty()) {
     dir = run_.save() + "/final";
-  } else if (!run_.consolidate().empty() || run_.sample() > 0) {
+  } else if (!run_.consolidate().empty() || run_.sample() > 0 || !run_.export_hf().empty()) {
     // Rank 0 names the directory; the others write their pieces into it.
     std::string made = world_->rank() == 0 ? make_temporary_dir() : std::string();
     at::Tensor name = at::zeros({4096}, at::kByte);

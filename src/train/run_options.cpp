@@ -102,6 +102,8 @@ void model_options(cli::Command& c, RunOptions& r) {
   c.group("Model");
   c.add("model", &r.model_preset(), "start from a preset's architecture and sizes (docs/models.md); the model flags "
         "given beside it win", models::GPTConfig::preset_names());
+  c.add("init-from", &r.init_from(), "hf:DIR: a Hugging Face model directory gives the architecture (its "
+        "config.json) and the initial weights (docs/huggingface.md)");
   c.add("layers", &m.layers(), "transformer blocks");
   c.add("heads", &m.heads(), "attention heads");
   c.add("kv-heads", &m.kv_heads(), "key/value heads (grouped-query attention); 0: as many as heads");
@@ -114,8 +116,8 @@ void model_options(cli::Command& c, RunOptions& r) {
   c.add_enum("positions", &m.positions(), "learned position embeddings, or rotary ones on q and k",
              {"learned", "rotary"}, {models::Positions::kLearned, models::Positions::kRotary});
   c.add("rope-theta", &m.rope_theta(), "rotary base");
-  c.add_enum("mlp", &m.mlp(), "MLP: GELU, or SwiGLU (Llama)", {"gelu", "swiglu"},
-             {nn::MLPKind::kGelu, nn::MLPKind::kSwiGLU});
+  c.add_enum("mlp", &m.mlp(), "MLP: GELU, SwiGLU (Llama), or GELU's tanh approximation (GPT-2's gelu_new)",
+             {"gelu", "swiglu", "gelu-tanh"}, {nn::MLPKind::kGelu, nn::MLPKind::kSwiGLU, nn::MLPKind::kGeluTanh});
   c.add("bias", &m.bias(), "biases on the attention output and MLP linears");
   c.add("qkv-bias", &m.qkv_bias(), "biases on the q/k/v projection");
   c.add("qk-norm", &m.qk_norm(), "RMSNorm on each head's q and k (Qwen 3)");
@@ -164,6 +166,10 @@ void data_options(cli::Command& c, RunOptions& r) {
   c.add("resume", &r.resume(), "a checkpoint to continue from, in any layout");
   c.add("metrics", &r.metrics(), "JSON lines of every step and evaluation");
   c.add("consolidate", &r.consolidate(), "the final weights as one safetensors file");
+  c.add("export-hf", &r.export_hf(), "the final weights as a Hugging Face model directory (transformers loads it)");
+  c.add("export-dtype", &r.export_dtype(), "--export-hf's dtype: float32, bfloat16 or float16; empty: the "
+        "checkpoint's (float32)");
+  c.add("export-shard-mb", &r.export_shard_mb(), "--export-hf's largest shard file, in MB (10^6 bytes)");
   c.add("sample", &r.sample(), "tokens sampled from the final model; 0: none");
   c.add("eval-every", &r.eval_every(), "steps between validation losses; 0: none");
   c.add("log-every", &r.log_every(), "steps between progress lines");
@@ -192,6 +198,13 @@ bool RunOptions::was_given(const std::string& option) const {
 }
 
 int64_t warmup_for(int64_t steps) { return steps / 10; }
+
+std::string RunOptions::hf_init_dir() const {
+  if (init_from().empty()) return "";
+  TORCH_CHECK(init_from().rfind("hf:", 0) == 0 && init_from().size() > 3, "--init-from takes hf:DIR (a Hugging "
+              "Face model directory), got '", init_from(), "'; to continue a tessera checkpoint use --resume DIR");
+  return init_from().substr(3);
+}
 
 int64_t RunOptions::warmup_steps() const { return warmup() >= 0 ? warmup() : warmup_for(steps()); }
 
@@ -243,6 +256,19 @@ void RunOptions::check(int world_size) const {
                                     {"save-every", save_every()}})
     TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
   TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());
+  if (!hf_init_dir().empty()) {
+    // The architecture is config.json's; a flag beside it would be ignored.
+    for (const char* flag : {"model", "layers", "heads", "kv-heads", "head-dim", "hidden", "ffn", "norm", "norm-eps",
+                             "positions", "rope-theta", "mlp", "bias", "qkv-bias", "qk-norm", "tied", "experts",
+                             "top-k", "renormalize", "moe-every", "aux-loss-coef", "z-loss-coef"})
+      TORCH_CHECK(!was_given(flag), "--", flag, " with --init-from: the architecture comes from ", hf_init_dir(),
+                  "/config.json; leave --", flag, " out");
+  }
+  TORCH_CHECK(export_shard_mb() >= 1, "--export-shard-mb must be >= 1, got ", export_shard_mb());
+  TORCH_CHECK(export_dtype().empty() || export_dtype() == "float32" || export_dtype() == "bfloat16" ||
+                  export_dtype() == "float16",
+              "--export-dtype must be float32, bfloat16 or float16 (empty: the checkpoint's), got '", export_dtype(), "'");
+  TORCH_CHECK(export_dtype().empty() || !export_hf().empty(), "--export-dtype is only read with --export-hf DIR");
   model().check();  // the architecture's rules (kv heads, rotary head dimension, MoE options on a dense model)
   TORCH_CHECK(!was_given("rope-theta") || model().positions() == models::Positions::kRotary,
               "--rope-theta is only read with rotary positions; add --positions rotary (or a Llama-family --model)");

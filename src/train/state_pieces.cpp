@@ -158,6 +158,24 @@ void load_optimizer_pieces(const infer::PieceSource& source, parallel::ShardedOp
   optimizer.park_offloaded();
 }
 
+void load_model_pieces(const infer::PieceSource& source, parallel::ShardedOptimizer& optimizer,
+                       const Placements& placements) {
+  at::NoGradGuard no_grad;
+  optimizer.fetch_offloaded();  // Note [Disk offload]
+  for_each_view(optimizer, placements, "load_model_pieces",
+                [&](const std::string& name, const nn::ParamPlacement& p,
+                    const parallel::ShardedOptimizer::PieceView& v, int64_t end) {
+                  const std::string key = "model/" + name;
+                  TORCH_CHECK(source.contains(key), source.describe(), " has no '", name, "', a parameter of this model");
+                  const auto shape = source.full_shape(key);
+                  TORCH_CHECK(shape == p.full_shape, source.describe(), ": '", name, "' has shape ",
+                              c10::IntArrayRef(shape), ", this model's is ", c10::IntArrayRef(p.full_shape));
+                  v.value.narrow(0, 0, end - v.begin).copy_(source.flat(key, p.offset, p.length, v.begin, end));
+                });
+  optimizer.sync_params_from_pieces();
+  optimizer.park_offloaded();
+}
+
 std::vector<TensorPiece> buffer_pieces(torch::nn::Module& module, bool writer) {
   std::vector<TensorPiece> out;
   if (!writer) return out;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -78,7 +79,7 @@ TokenFormat parse_token_format(const std::string& name) {
 }
 
 TokenData::TokenData(at::Tensor tokens, int64_t vocab, std::string source)
-    : tokens_(std::move(tokens)), vocab_(vocab), source_(std::move(source)) {
+    : tokens_(std::move(tokens)), vocab_(vocab), needed_vocab_(vocab), source_(std::move(source)) {
   TORCH_CHECK(tokens_.dim() == 1 && tokens_.scalar_type() == at::kLong, "TokenData: tokens must be int64 [n], got ",
               tokens_.sizes(), " ", tokens_.scalar_type());
 }
@@ -86,6 +87,23 @@ TokenData::TokenData(at::Tensor tokens, int64_t vocab, std::string source)
 TokenData TokenData::load(const std::string& path, TokenFormat format) {
   std::string what;
   const std::string bytes = read_source(path, &what);
+  // FILE.json (scripts/tokenize.py): the ids' dtype and vocabulary.
+  int64_t declared_vocab = 0;
+  const std::string meta_path = path + ".json";
+  if (fs::is_regular_file(path) && fs::exists(meta_path)) {
+    nlohmann::json meta;
+    try {
+      std::ifstream in(meta_path);
+      meta = nlohmann::json::parse(in);
+      declared_vocab = meta.at("vocab_size").get<int64_t>();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "the token metadata ", meta_path, " is not JSON with \"vocab_size\" and \"dtype\": ", e.what());
+    }
+    const TokenFormat declared = parse_token_format(meta.value("dtype", std::string("uint16")));
+    TORCH_CHECK(format == TokenFormat::kAuto || format == declared, "--data-format ", token_format_name(format),
+                ", but ", meta_path, " says the ids are ", token_format_name(declared));
+    format = declared;
+  }
   if (format == TokenFormat::kAuto)
     format = fs::path(path).extension() == ".bin" ? TokenFormat::kUint16 : TokenFormat::kText;
   if (format == TokenFormat::kText) {
@@ -102,8 +120,14 @@ TokenData TokenData::load(const std::string& path, TokenFormat format) {
   at::Tensor ids = format == TokenFormat::kUint16 ? ids_from<uint16_t>(bytes, skip, path)
                                                   : ids_from<uint32_t>(bytes, skip, path);
   TORCH_CHECK(ids.numel() > 0, "the token file ", path, " holds no tokens");
-  const int64_t vocab = std::max<int64_t>(50257, ids.max().item<int64_t>() + 1);
-  return TokenData(ids, vocab, fmt::format("{} ({})", path, token_format_name(format)));
+  const int64_t largest = ids.max().item<int64_t>();
+  TORCH_CHECK(declared_vocab == 0 || largest < declared_vocab, "the token file ", path, " holds id ", largest,
+              ", but its metadata ", meta_path, " gives a vocabulary of ", declared_vocab,
+              "; tokenize it again with the model's tokenizer");
+  TokenData data(ids, declared_vocab > 0 ? declared_vocab : std::max<int64_t>(50257, largest + 1),
+                 fmt::format("{} ({})", path, token_format_name(format)));
+  data.needed_vocab_ = declared_vocab > 0 ? declared_vocab : largest + 1;
+  return data;
 }
 
 std::pair<int64_t, int64_t> TokenData::range(Split split) const {

@@ -278,6 +278,8 @@ void Trainer::load_state(const infer::PieceSource& source, const std::string& me
   }
 }
 
+void Trainer::load_weights(const infer::PieceSource& source) { load_model_pieces(source, *optimizer_, placements_); }
+
 void Trainer::save(const std::string& dir, const std::string& extra_json, const CheckpointOptions& options) {
   std::vector<TensorPiece> pieces = state_pieces();
   // This rank's random streams (Note [Random states in checkpoints]).

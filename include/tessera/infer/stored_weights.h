@@ -1,8 +1,10 @@
 #pragma once
 // StoredWeights: a model's weights on disk, read a box at a time without
 // loading the file whole: a safetensors file (tessera_consolidate's, or any
-// with these names), or a distributed checkpoint directory whose pieces lie
-// in several rank files. Streamed inference (infer/streamed_gpt.h) reads
+// with these names), a distributed checkpoint directory whose pieces lie
+// in several rank files, or "hf:DIR", a Hugging Face model directory of the
+// Llama family (its tensors are row blocks of tessera's, Note [Hugging Face
+// tables]; GPT-2's transposed Conv1D weights are refused). Streamed inference (infer/streamed_gpt.h) reads
 // one layer's weights, or this rank's shard of them, through it.
 //
 // Note [Reads in extents]
@@ -94,6 +96,8 @@ class StoredWeights {
   void complete(const ReadPlan& plan, const void* dst);
 
  private:
+  void open_hf(const std::string& dir);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -35,14 +35,15 @@ TORCH_MODULE(LocalAttention);
 
 // The MLP of a block: GPT-2's c_proj(gelu(c_fc(x))), or Llama's SwiGLU
 // c_proj(silu(c_gate(x)) · c_fc(x)) (Shazeer 2020; c_gate is Hugging Face's
-// gate_proj, c_fc its up_proj, c_proj its down_proj).
-enum class MLPKind { kGelu, kSwiGLU };
+// gate_proj, c_fc its up_proj, c_proj its down_proj). kGeluTanh: GELU's
+// tanh approximation, Hugging Face GPT-2's "gelu_new".
+enum class MLPKind { kGelu, kSwiGLU, kGeluTanh };
 
 // The mlp slot: the linears made by a factory (column, then row in 1D), so
 // that block layout goes in and comes out.
 class MLPImpl : public torch::nn::Module {
  public:
-  MLPImpl(torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj);
+  MLPImpl(torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj, bool tanh_gelu = false);
   // SwiGLU: c_gate and c_fc read entry(x) (LayerFactory::column_entry).
   MLPImpl(torch::nn::AnyModule c_gate, torch::nn::AnyModule c_fc, torch::nn::AnyModule c_proj,
           std::function<at::Tensor(const at::Tensor&)> entry);
@@ -52,6 +53,7 @@ class MLPImpl : public torch::nn::Module {
 
  private:
   std::function<at::Tensor(const at::Tensor&)> entry_;
+  bool tanh_gelu_ = false;
 };
 
 TORCH_MODULE(MLP);

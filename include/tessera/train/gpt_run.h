@@ -42,7 +42,10 @@ class GPTRun {
  public:
   // Collective over `world`: checks the options, builds the context, the
   // model and the trainer (elastic: the layout of the first step's batch),
-  // and resumes from run.resume(). `vocab`: the data's.
+  // and resumes from run.resume(), or starts from --init-from's weights.
+  // `vocab`: the data's (TokenData::vocab(); with --init-from, the
+  // vocabulary the data needs, TokenData::needed_vocab(), which must not
+  // exceed the model's).
   GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab);
   ~GPTRun();
 
@@ -77,11 +80,14 @@ class GPTRun {
   // Elastic: wakes the idle ranks for good. Collective; call after the last step.
   void finish();
 
-  // Saves DIR/final when --save is given; otherwise, when --consolidate or
-  // --sample needs the final weights, into a temporary directory that is
-  // removed with this run. Returns the directory, or "" when nothing was
-  // saved. Collective.
+  // Saves DIR/final when --save is given; otherwise, when --consolidate,
+  // --export-hf or --sample needs the final weights, into a temporary
+  // directory that is removed with this run. Returns the directory, or ""
+  // when nothing was saved. Collective.
   std::string save_final();
+  // --export-hf: writes the final weights (save_final's directory) as a
+  // Hugging Face model directory. Collective; a no-op without --export-hf.
+  void export_hf(const std::string& final_dir);
   // Collective: rank 0 writes --consolidate from the final weights and
   // returns the --sample tokens drawn from a serial copy of them at
   // temperature 0.8; the other ranks return nothing.
@@ -99,6 +105,7 @@ class GPTRun {
   int64_t start_ = 0;
   int64_t parameters_ = 0;
   std::string temporary_;  // the final weights' directory when --save was not given
+  std::string hf_config_;  // --init-from's config.json, written back by --export-hf
 };
 
 }  // namespace train

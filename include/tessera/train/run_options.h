@@ -53,6 +53,9 @@ struct RunOptions {
   // --model: a GPTConfig preset the model starts from (the model flags given
   // beside it win); empty: the flags alone.
   TORCH_ARG(std::string, model_preset) = "";
+  // --init-from hf:DIR: the architecture from DIR's config.json and the
+  // initial weights from its safetensors (docs/huggingface.md).
+  TORCH_ARG(std::string, init_from) = "";
   // Optimization.
   TORCH_ARG(Precision, precision) = Precision::kFp32;
   TORCH_ARG(std::string, optimizer) = "adamw";
@@ -76,6 +79,11 @@ struct RunOptions {
   TORCH_ARG(std::string, resume) = "";
   TORCH_ARG(std::string, metrics) = "";
   TORCH_ARG(std::string, consolidate) = "";
+  // The final weights as a Hugging Face directory, in export_dtype
+  // (empty: the checkpoint's, fp32) and shards of export_shard_mb.
+  TORCH_ARG(std::string, export_hf) = "";
+  TORCH_ARG(std::string, export_dtype) = "";
+  TORCH_ARG(int64_t, export_shard_mb) = 5000;
   TORCH_ARG(int64_t, sample) = 200;
   TORCH_ARG(int64_t, eval_every) = 25;
   TORCH_ARG(int64_t, log_every) = 1;
@@ -96,6 +104,8 @@ struct RunOptions {
   bool was_given(const std::string& option) const;
   bool elastic() const { return !batch_schedule().empty(); }
   bool bf16() const { return precision() == Precision::kBf16; }
+  // The DIR of --init-from hf:DIR; "" without --init-from.
+  std::string hf_init_dir() const;
   int64_t seq() const { return model().context(); }
   // The warm-up steps: the flag, or warmup_for(steps()).
   int64_t warmup_steps() const;

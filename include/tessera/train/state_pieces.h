@@ -34,6 +34,12 @@ std::vector<TensorPiece> optimizer_pieces(parallel::ShardedOptimizer& optimizer,
 void load_optimizer_pieces(const infer::PieceSource& reader, parallel::ShardedOptimizer& optimizer,
                            const Placements& placements);
 
+// The model's values alone ("model/<name>"), for a run that starts from
+// weights (a Hugging Face model, infer/hf_checkpoint.h): the optimizer's
+// states stay as they are (fresh).
+void load_model_pieces(const infer::PieceSource& reader, parallel::ShardedOptimizer& optimizer,
+                       const Placements& placements);
+
 // What load_optimizer_pieces will read for this rank's pieces, given the
 // "optim/..." names the source holds (a fresh optimizer has no states yet
 // to say which): for receiving them before loading (train/piece_exchange.h).

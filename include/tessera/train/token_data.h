@@ -6,6 +6,10 @@
 //   uint16  token ids as little-endian uint16 (nanoGPT's .bin; llm.c's with
 //           its 256-word header, magic 20240520)
 //   uint32  the same as uint32, for vocabularies above 65 535
+// A token file FILE may have a metadata file FILE.json beside it
+// (scripts/tokenize.py writes one): {"dtype": "uint16"|"uint32",
+// "vocab_size": N, ...}; its dtype is the format and N the vocabulary, and
+// an id >= N is refused.
 // Windows are drawn from (seed, step) alone, so every rank draws the same
 // ones and a resumed run continues the data where it stopped.
 #include <ATen/core/Tensor.h>
@@ -42,8 +46,12 @@ class TokenData {
 
   const at::Tensor& tokens() const { return tokens_; }
   int64_t size() const { return tokens_.numel(); }
-  // 256 for text; for ids, the largest id + 1, at least GPT-2's 50257.
+  // 256 for text; for ids, the metadata's vocab_size, else the largest id
+  // + 1, at least GPT-2's 50257.
   int64_t vocab() const { return vocab_; }
+  // The vocabulary a model needs for these tokens: the metadata's
+  // vocab_size, else the largest id + 1 (256 for text).
+  int64_t needed_vocab() const { return needed_vocab_; }
   // The path, and what it held ("... (12 files)", "uint16").
   const std::string& source() const { return source_; }
   // Throws unless both splits hold a window of seq + 1 tokens.
@@ -58,6 +66,7 @@ class TokenData {
 
   at::Tensor tokens_;
   int64_t vocab_ = 256;
+  int64_t needed_vocab_ = 256;
   std::string source_;
 };
 

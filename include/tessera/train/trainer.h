@@ -129,6 +129,9 @@ class Trainer {
   // Loads model, optimizer, buffers, step and loss scaler from pieces of
   // any layout of the same model and the metadata state_metadata() wrote.
   void load_state(const infer::PieceSource& source, const std::string& metadata_json);
+  // The model's weights alone (a Hugging Face model: infer::HFCheckpoint);
+  // the optimizer starts fresh and the step stays. Collective like load().
+  void load_weights(const infer::PieceSource& source);
   // The layers this rank trains (its pipeline stages' when pipelined).
   torch::nn::Module& local_module() { return *local_; }
   const Placements& placements() const { return placements_; }
