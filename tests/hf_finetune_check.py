@@ -9,9 +9,12 @@ tokenizer of its own:
   3. transformers' logits on OUT equal tessera's final model's (gpt_logits on
      the consolidated weights) within 1e-5 relative;
   4. the step-16 checkpoint resumed in the same layout continues bit for bit
-     (losses of steps 17-20), and resumed at dp 4 x tp 2 within 1e-5.
+     (losses of steps 17-20), and resumed at dp 4 x tp 2 within 1e-5;
+  5. tessera_generate --model hf:OUT (greedy, at 2 ranks) draws the tokens
+     transformers' generate() draws from OUT, and tokenize.py --decode
+     turns them into the tokenizer's words.
 
-usage: hf_finetune_check.py WORK_DIR TOKENIZE_PY TRAIN_GPT GPT_LOGITS LAUNCHER...
+usage: hf_finetune_check.py WORK_DIR TOKENIZE_PY TRAIN_GPT GPT_LOGITS GENERATE LAUNCHER...
 """
 import json
 import os
@@ -23,7 +26,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-work, tokenize_py, train_gpt, gpt_logits, launcher = sys.argv[1:5] + [sys.argv[5:]]
+work, tokenize_py, train_gpt, gpt_logits, generate, launcher = sys.argv[1:6] + [sys.argv[6:]]
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
 failures = []
@@ -120,6 +123,21 @@ for name, layout, exact in (("dp 2 x tp 2 x pp 2", layout_a, True), ("dp 4 x tp 
                             f"{first[step]!r}")
     print(f"resumed at {name}: losses of steps 17-20 {[again[s] for s in range(17, 21)]} "
           f"(uninterrupted {[first[s] for s in range(17, 21)]})")
+
+# Streamed generation from the exported directory against transformers' greedy generate().
+prompt = [5, 6, 7, 8]
+gen_file = os.path.join(work, "gen.json")
+run(launcher + ["-np", 2, generate, "--model", f"hf:{out}", "--prompt", ",".join(map(str, prompt)), "--tokens", 8,
+                "--temperature", 0, "--out", gen_file])
+drawn = json.load(open(gen_file))["tokens"][0]
+with torch.no_grad():
+    expected = exported.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()[len(prompt):]
+if drawn != expected:
+    failures.append(f"tessera_generate --model hf:{out} drew {drawn}, transformers' generate() {expected}")
+text = run([sys.executable, tokenize_py, model_dir, "--decode", gen_file]).strip()
+print(f"tessera_generate --model hf:export (tp 2, greedy): {drawn}, as transformers; decoded: {text!r}")
+if text != " ".join(words[i] for i in drawn):
+    failures.append(f"tokenize.py --decode {gen_file} printed {text!r}, not the words of {drawn}")
 
 if failures:
     print("\n".join(["FAILED:"] + failures))

@@ -47,6 +47,7 @@ std::string scratch(const std::string& name) {
 // A Hugging Face directory: config.json and the tensors, in `files` shards.
 void write_dir(const std::string& dir, const std::string& config_json, const Weights& tensors, int files) {
   if (test::world()->rank() == 0) {
+    fs::create_directories(dir);
     write_file_atomically(dir + "/config.json", config_json);
     if (files == 1) {
       std::vector<std::pair<std::string, at::Tensor>> all(tensors.begin(), tensors.end());
@@ -116,6 +117,50 @@ TEST_P(HFLlamaFamily, LoadsAtTwoRanksIntoTheReferenceWeightsAndLogits) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, HFLlamaFamily,
                          ::testing::Values("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny"));
+
+// Imported at tp 2, saved as a tessera checkpoint, exported by both ranks in
+// shards: every Hugging Face tensor comes back bit for bit (fp32), or
+// rounded once (bf16), and config.json is the imported one.
+TEST(HFExport, ACheckpointOfAnImportedModelExportsTheSameTensors) {
+  for (const char* preset : {"llama-tiny", "mixtral-tiny"}) {
+    const models::GPTConfig c = models::GPTConfig::preset(preset);
+    const Weights hf = test::random_llama_weights(test::reference_llama_config(c), 31);
+    const std::string dir = scratch(std::string("export-") + preset);
+    const std::string config = llama_config_json(c);
+    write_dir(dir + "/in", config, hf, 1);
+    infer::HFCheckpoint source(dir + "/in");
+    auto ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().tensor(test::world()->size()));
+    auto gpt = std::make_shared<models::GPTImpl>(source.config(), nn::make_layer_factory(ctx, false, false));
+    train::Trainer trainer(
+        ctx, train::gpt_train_model(gpt),
+        [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+          return optim::make_optimizer(optim::OptimizerByName().name("adamw"), named);
+        },
+        train::TrainerOptions());
+    trainer.load_weights(source);
+    nlohmann::json meta = {{"gpt", nlohmann::json::parse(source.config().to_json())}, {"hf", source.hf().json}};
+    trainer.save(dir + "/ckpt", meta.dump());
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string out = dir + "/out";
+      const auto stats = infer::export_hf(dir + "/ckpt", out, test::world(),
+                                          infer::HFExportOptions().shard_bytes(20000).dtype(dtype));
+      EXPECT_GT(stats.shards, 2);
+      EXPECT_FALSE(fs::exists(out + ".partial"));
+      const auto index = nlohmann::json::parse(std::ifstream(out + "/model.safetensors.index.json"));
+      EXPECT_EQ(index["weight_map"].size(), hf.size());
+      for (const auto& [name, t] : hf) {
+        const std::string file = out + "/" + index["weight_map"].at(name).get<std::string>();
+        const at::Tensor got = SafetensorsFile(file).read(name);
+        EXPECT_EQ(got.scalar_type(), dtype) << name;
+        EXPECT_TRUE(at::equal(got, t.to(dtype))) << preset << " " << name << " is not the imported tensor";
+      }
+      auto written = nlohmann::json::parse(std::ifstream(out + "/config.json"));
+      EXPECT_EQ(written["dtype"], infer::hf_dtype_name(dtype));
+      written["dtype"] = "float32";
+      EXPECT_EQ(written, nlohmann::json::parse(config)) << "config.json is the imported one, its dtype aside";
+    }
+  }
+}
 
 // A box of a packed tensor reads only its rows: kv_proj rows of one kv head,
 // c_attn rows of one head (tensor-parallel shards), an expert's rows.

@@ -204,15 +204,20 @@ at::Tensor HFCheckpoint::flat(const std::string& name, const std::vector<int64_t
   const auto shape = full_shape(name);
   const bool whole = offset.empty();
   const at::Tensor box = region(name, whole ? std::vector<int64_t>(shape.size(), 0) : offset, whole ? shape : length);
-  return box.reshape({-1}).slice(0, begin, end).clone();
+  return box.reshape({-1}).slice(0, begin, end);  // a view: the box is its only copy
 }
 
 at::Tensor HFCheckpoint::read_box(const std::string& hf_name, const std::vector<int64_t>& offset,
-                                  const std::vector<int64_t>& length) const {
+                                  const std::vector<int64_t>& length, const at::Tensor& into) const {
   StoredWeights& file = *files_.at(file_of_.at(hf_name));
   const auto plan = file.plan(hf_name, offset, length);
-  at::Tensor out = at::empty(length, at::TensorOptions().dtype(plan.dtype));
-  largest_read_ = std::max(largest_read_, plan.bytes);
+  // Straight into the caller's box when it has the stored dtype and layout;
+  // otherwise through a read buffer.
+  at::Tensor out = into;
+  if (!out.defined() || out.scalar_type() != plan.dtype || !out.is_contiguous()) {
+    out = at::empty(length, at::TensorOptions().dtype(plan.dtype));
+    largest_read_ = std::max(largest_read_, plan.bytes);
+  }
   std::vector<IoWork> works;
   file.issue(plan, out.data_ptr(), works);
   for (const auto& w : works) w.wait();
@@ -233,10 +238,14 @@ at::Tensor HFCheckpoint::region(const std::string& name, const std::vector<int64
     const int64_t lo = std::max(first, p.begin), hi = std::min(last, p.begin + p.rows);
     if (lo >= hi) continue;
     part_box(p, lo, hi, offset, length, ho, hl);
-    at::Tensor box = read_box(p.name, ho, hl).to(at::kFloat);
+    at::Tensor dst = out.narrow(0, lo - first, hi - lo);
+    const bool direct = p.kind == models::HFPart::Kind::kRows;
+    at::Tensor box = read_box(p.name, ho, hl, direct ? dst : at::Tensor());
+    if (box.data_ptr() == dst.data_ptr()) continue;  // read in place
+    box = box.to(at::kFloat);
     if (p.kind == models::HFPart::Kind::kTransposed) box = box.t();
     if (p.kind == models::HFPart::Kind::kExpert) box = box.unsqueeze(0);
-    out.narrow(0, lo - first, hi - lo).copy_(box);
+    dst.copy_(box);
   }
   return out;
 }

@@ -159,8 +159,10 @@ void StoredWeights::open_hf(const std::string& dir) {
       for (size_t d = 1; d < part.offset.size(); ++d)
         TORCH_INTERNAL_ASSERT(part.offset[d] == 0, "a Hugging Face part that starts inside a row");
       if (part.kind == models::HFPart::Kind::kRows) p.location.offset += part.offset.at(0) * row * es;
+      // A part of a Hugging Face tensor has no checksum of its own (Note [Tensor checksums]).
+      const int64_t whole = p.location.bytes;
       p.location.bytes = part.rows * row * es;
-      p.location.has_checksum = false;
+      p.location.has_checksum = p.location.has_checksum && p.location.bytes == whole;
       p.flat_end = part.rows * row;
       t.dtype = p.location.dtype;
       t.pieces.push_back(static_cast<int>(m.pieces.size()));
@@ -252,7 +254,7 @@ StoredWeights::ReadPlan StoredWeights::plan(const std::string& name, const std::
       while (d >= 0 && ++idx[d] == hi[d]) idx[d] = lo[d], --d;
       if (d < 0) break;
     }
-    if (extents.size() == 1 && extents[0].bytes == p.location.bytes)
+    if (p.location.has_checksum && extents.size() == 1 && extents[0].bytes == p.location.bytes)
       plan.checks.push_back(Check{id, extents[0].dst_offset, extents[0].bytes});
     plan.extents.insert(plan.extents.end(), extents.begin(), extents.end());
   }

@@ -11,7 +11,7 @@ file(REMOVE_RECURSE ${prefix} ${WORK_DIR}/build)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 # The commands the docs name are installed (when the examples and benchmarks are built).
 if(CHECK_COMMANDS)
-  foreach(cmd bin/tessera_consolidate bin/tessera_generate bin/tessera_export_hf_gpt2 bin/train_gpt bin/train_cnn bin/tessera_demo
+  foreach(cmd bin/tessera_consolidate bin/tessera_generate bin/tessera_export_hf bin/tessera_tokenize bin/train_gpt bin/train_cnn bin/tessera_demo
               libexec/tessera/bench/comm_bench)
     if(NOT EXISTS ${prefix}/${cmd})
       message(FATAL_ERROR "cmake --install did not install ${cmd}")

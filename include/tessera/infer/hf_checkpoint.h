@@ -57,14 +57,15 @@ class HFCheckpoint : public PieceSource {
   const std::map<std::string, models::HFEntry>& table() const { return table_; }
   const std::string& file_of(const std::string& hf_name) const;
   // The largest read buffer so far, in bytes (the import's memory beyond
-  // the caller's shards).
+  // the boxes asked for; fp32 row parts are read straight into the box).
   int64_t largest_read() const { return largest_read_; }
 
  private:
   const models::HFEntry& entry(const std::string& name) const;
-  // The box of a Hugging Face tensor, in its stored dtype.
+  // The box of a Hugging Face tensor, in its stored dtype: into `into` when
+  // it is contiguous and of that dtype (then returned), else a new buffer.
   at::Tensor read_box(const std::string& hf_name, const std::vector<int64_t>& offset,
-                      const std::vector<int64_t>& length) const;
+                      const std::vector<int64_t>& length, const at::Tensor& into) const;
 
   std::string dir_;
   models::HFConfig hf_;
