@@ -214,7 +214,8 @@ TEST(HFCheckpoint, GPT2ConvOneDWeightsAreTransposedAndRepackedPerHead) {
   EXPECT_TRUE(source.config().tied());
   const std::string p = "transformer.h.0.";
   // [in, 3h] -> rows (q, k, v) x heads x d -> per head (q, k, v).
-  const at::Tensor c_attn = hf[p + "attn.c_attn.weight"].t().reshape({3, heads, d, h}).transpose(0, 1).reshape({3 * h, h});
+  const at::Tensor c_attn =
+      hf[p + "attn.c_attn.weight"].t().reshape({3, heads, d, h}).transpose(0, 1).reshape({3 * h, h});
   const at::Tensor c_attn_bias = hf[p + "attn.c_attn.bias"].reshape({3, heads, d}).transpose(0, 1).reshape({3 * h});
   EXPECT_TRUE(at::equal(source.full("model/h.0.attn.c_attn.weight"), c_attn));
   EXPECT_TRUE(at::equal(source.full("model/h.0.attn.c_attn.bias"), c_attn_bias));

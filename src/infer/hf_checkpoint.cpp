@@ -276,65 +276,114 @@ at::Tensor assemble(const CheckpointReader& reader, const std::vector<int64_t>& 
 
 }  // namespace
 
+namespace {
+
+// What a checkpoint holds for export: its model, the architecture and the
+// config.json it came with (when imported).
+struct ExportModel {
+  models::GPTConfig config;
+  std::string original;
+  models::HFArchitecture architecture = models::HFArchitecture::kLlama;
+};
+
+ExportModel export_model(const CheckpointReader& reader, const std::string& dir) {
+  // As the trainer recorded it: under "extra" (Trainer::save), or at the top.
+  Json meta = Json::parse(reader.metadata());
+  if (!meta.contains("gpt") && meta.contains("extra") && meta["extra"].is_object()) meta = meta["extra"];
+  TORCH_CHECK(meta.contains("gpt"), "checkpoint ", dir, " does not record a tessera GPT (its metadata has no "
+              "\"gpt\"); export_hf writes the decoder models (train_gpt's checkpoints)");
+  ExportModel m;
+  m.config = models::GPTConfig::from_json(meta["gpt"].dump());
+  m.original = meta.contains("hf") ? meta["hf"].get<std::string>() : std::string();
+  m.architecture = m.original.empty()
+                       ? models::hf_architecture_for(m.config)
+                       : models::hf_config_from_json(m.original, dir + " (imported config.json)").architecture;
+  return m;
+}
+
+// Tensors in name order, cut into shards of at most `limit` bytes.
+std::vector<std::vector<std::string>> plan_shards(const std::map<std::string, std::vector<int64_t>>& shapes,
+                                                  int64_t element, int64_t limit, int64_t& total) {
+  std::vector<std::vector<std::string>> shards(1);
+  int64_t in_shard = 0;
+  total = 0;
+  for (const auto& [name, shape] : shapes) {
+    const int64_t bytes = numel_of(shape) * element;
+    if (!shards.back().empty() && in_shard + bytes > limit) shards.emplace_back(), in_shard = 0;
+    shards.back().push_back(name);
+    in_shard += bytes, total += bytes;
+  }
+  return shards;
+}
+
+std::string shard_file(int k, int n) {
+  return n == 1 ? std::string(kSingleFile) : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, n);
+}
+
+// Rank 0, once every shard is written: the JSON files, then the directory
+// in place of any earlier one.
+void finish_export(const ExportModel& m, const std::vector<std::vector<std::string>>& shards, int64_t total,
+                   const std::string& dtype, const std::string& staging, const std::string& out_dir) {
+  const int n = static_cast<int>(shards.size());
+  const std::string config_json = models::hf_config_json(m.architecture, m.config, m.original, dtype);
+  write_file_atomically((fs::path(staging) / "config.json").string(), config_json + "\n");
+  write_file_atomically((fs::path(staging) / "generation_config.json").string(),
+                        models::hf_generation_config_json(config_json) + "\n");
+  if (n > 1) {
+    Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", Json::object()}};
+    for (int k = 0; k < n; ++k)
+      for (const auto& name : shards[k]) index["weight_map"][name] = shard_file(k, n);
+    write_file_atomically((fs::path(staging) / kIndexFile).string(), index.dump(2) + "\n");
+  }
+  // An earlier directory is moved aside, the finished one moved in, the
+  // earlier one removed: OUT_DIR is never a partial export.
+  const std::string old = out_dir + ".old";
+  fs::remove_all(old);
+  if (fs::exists(out_dir)) fs::rename(out_dir, old);
+  fs::rename(staging, out_dir);
+  fs::remove_all(old);
+}
+
+}  // namespace
+
 HFExportStats export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                         const comm::CommunicatorPtr& world, const HFExportOptions& options) {
   TORCH_CHECK(options.shard_bytes() > 0, "export_hf: the shard size must be positive, got ", options.shard_bytes());
   const CheckpointReader reader(checkpoint_dir);
-  // The model as the trainer recorded it: under "extra" (Trainer::save), or at the top.
-  Json meta = Json::parse(reader.metadata());
-  if (!meta.contains("gpt") && meta.contains("extra") && meta["extra"].is_object()) meta = meta["extra"];
-  TORCH_CHECK(meta.contains("gpt"), "checkpoint ", checkpoint_dir, " does not record a tessera GPT (its metadata has no "
-              "\"gpt\"); export_hf writes the decoder models (train_gpt's checkpoints)");
-  const models::GPTConfig config = models::GPTConfig::from_json(meta["gpt"].dump());
-  const std::string original = meta.contains("hf") ? meta["hf"].get<std::string>() : std::string();
-  const models::HFArchitecture arch =
-      original.empty() ? models::hf_architecture_for(config)
-                       : models::hf_config_from_json(original, checkpoint_dir + " (imported config.json)").architecture;
-  const auto table = models::hf_table(arch, config);
+  const ExportModel m = export_model(reader, checkpoint_dir);
+  const auto table = models::hf_table(m.architecture, m.config);
   const auto shapes = models::hf_shapes(table);
-  at::ScalarType dtype = at::kFloat;
+  // Hugging Face tensor -> the (tessera tensor, part) pairs that write it.
+  std::map<std::string, std::vector<std::pair<const models::HFEntry*, std::pair<std::string, models::HFPart>>>> writes;
+  for (const auto& [name, entry] : table) {
+    const std::string key = kModelPrefix + name;
+    TORCH_CHECK(reader.contains(key), "checkpoint ", checkpoint_dir, " has no '", key, "', which its model (",
+                m.config.to_json(), ") has");
+    TORCH_CHECK(reader.full_shape(key) == entry.shape, "checkpoint ", checkpoint_dir, ": '", name, "' has shape ",
+                c10::IntArrayRef(reader.full_shape(key)), ", its model's is ", c10::IntArrayRef(entry.shape));
+    for (const auto& p : entry.parts) writes[p.name].push_back({&entry, {name, p}});
+  }
+  at::ScalarType dtype = at::kFloat;  // the stored values' (fp32 masters), unless asked
   if (options.dtype()) {
     dtype = *options.dtype();
   } else if (!table.empty()) {
     const auto pieces = reader.stored_pieces(kModelPrefix + table.begin()->first);
     if (!pieces.empty()) dtype = pieces.front().location.dtype;
   }
-  const std::string dtype_name = hf_dtype_name(dtype);
-
-  // Hugging Face tensor -> the (tessera tensor, part) pairs that write it.
-  std::map<std::string, std::vector<std::pair<const models::HFEntry*, std::pair<std::string, models::HFPart>>>> writes;
-  for (const auto& [name, entry] : table)
-    for (const auto& p : entry.parts) writes[p.name].push_back({&entry, {name, p}});
-  for (const auto& [name, entry] : table) {
-    TORCH_CHECK(reader.contains(kModelPrefix + name), "checkpoint ", checkpoint_dir, " has no '", kModelPrefix, name,
-                "', which its model (", config.to_json(), ") has");
-    TORCH_CHECK(reader.full_shape(kModelPrefix + name) == entry.shape, "checkpoint ", checkpoint_dir, ": '", name,
-                "' has shape ", c10::IntArrayRef(reader.full_shape(kModelPrefix + name)), ", its model's is ",
-                c10::IntArrayRef(entry.shape));
-  }
-  // Shards in name order, each up to shard_bytes.
-  std::vector<std::vector<std::string>> shards(1);
-  int64_t in_shard = 0, total = 0;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
-  for (const auto& [name, shape] : shapes) {
-    const int64_t bytes = numel_of(shape) * element;
-    if (!shards.back().empty() && in_shard + bytes > options.shard_bytes()) shards.emplace_back(), in_shard = 0;
-    shards.back().push_back(name);
-    in_shard += bytes, total += bytes;
-  }
+  HFExportStats stats;
+  const auto shards = plan_shards(shapes, element, options.shard_bytes(), stats.bytes);
   const int n = static_cast<int>(shards.size());
-  auto file_name = [n](int k) {
-    return n == 1 ? std::string(kSingleFile) : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, n);
-  };
+  stats.architecture = models::hf_architecture_name(m.architecture);
+  stats.tensors = static_cast<int64_t>(shapes.size()), stats.shards = n;
+
   const std::string staging = out_dir + ".partial";
   comm::on_every_rank(world, "Hugging Face export (preparing " + staging + ")", [&] {
     if (world->rank() != 0) return;
     fs::remove_all(staging);
     fs::create_directories(staging);
   });
-  HFExportStats stats;
-  stats.architecture = models::hf_architecture_name(arch);
-  stats.tensors = static_cast<int64_t>(shapes.size()), stats.bytes = total, stats.shards = n;
+  // Shard k by rank k mod N: one shard in memory at a time.
   comm::on_every_rank(world, "Hugging Face export (writing shards)", [&] {
     for (int k = world->rank(); k < n; k += world->size()) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -342,27 +391,11 @@ HFExportStats export_hf(const std::string& checkpoint_dir, const std::string& ou
         tensors.emplace_back(name, assemble(reader, shapes.at(name), writes.at(name), dtype));
         stats.bytes_written_here += tensors.back().second.numel() * element;
       }
-      write_safetensors((fs::path(staging) / file_name(k)).string(), tensors, {{"format", "pt"}});
+      write_safetensors((fs::path(staging) / shard_file(k, n)).string(), tensors, {{"format", "pt"}});
     }
   });
   comm::on_every_rank(world, "Hugging Face export (config and index)", [&] {
-    if (world->rank() != 0) return;
-    const std::string config_json = models::hf_config_json(arch, config, original, dtype_name);
-    write_file_atomically((fs::path(staging) / "config.json").string(), config_json + "\n");
-    write_file_atomically((fs::path(staging) / "generation_config.json").string(),
-                          models::hf_generation_config_json(config_json) + "\n");
-    if (n > 1) {
-      Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", Json::object()}};
-      for (int k = 0; k < n; ++k)
-        for (const auto& name : shards[k]) index["weight_map"][name] = file_name(k);
-      write_file_atomically((fs::path(staging) / kIndexFile).string(), index.dump(2) + "\n");
-    }
-    // The finished directory replaces any earlier one in one rename.
-    const std::string old = out_dir + ".old";
-    fs::remove_all(old);
-    if (fs::exists(out_dir)) fs::rename(out_dir, old);
-    fs::rename(staging, out_dir);
-    fs::remove_all(old);
+    if (world->rank() == 0) finish_export(m, shards, stats.bytes, hf_dtype_name(dtype), staging, out_dir);
   });
   return stats;
 }

@@ -292,7 +292,8 @@ HFConfig hf_config_from_json(const std::string& text, const std::string& where) 
   return out;
 }
 
-std::string hf_config_json(HFArchitecture a, const GPTConfig& c, const std::string& original, const std::string& dtype) {
+std::string hf_config_json(HFArchitecture a, const GPTConfig& c, const std::string& original,
+                           const std::string& dtype) {
   Json j = original.empty() ? Json::object() : Json::parse(original);
   if (original.empty()) {
     const Known& k = known(a);
@@ -340,104 +341,129 @@ std::string hf_generation_config_json(const std::string& config_json) {
   return g.dump(2);
 }
 
-std::map<std::string, HFEntry> hf_table(HFArchitecture a, const GPTConfig& c, const std::string& gpt2_prefix) {
-  using Kind = HFPart::Kind;
-  std::map<std::string, HFEntry> t;
-  const int64_t h = c.hidden(), heads = c.heads(), kv = c.num_kv_heads(), d = c.dim_per_head(), f = c.ffn_size();
-  // A tensor renamed whole.
-  auto same = [&](const std::string& name, const std::string& hf, std::vector<int64_t> shape) {
-    t[name] = HFEntry{shape, {HFPart{hf, Kind::kRows, 0, shape[0], std::vector<int64_t>(shape.size(), 0)}}};
+namespace {
+
+using Table = std::map<std::string, HFEntry>;
+using Kind = HFPart::Kind;
+
+// A tensor renamed whole.
+void renamed(Table& t, const std::string& name, const std::string& hf, const std::vector<int64_t>& shape) {
+  t[name] = HFEntry{shape, {HFPart{hf, Kind::kRows, 0, shape[0], std::vector<int64_t>(shape.size(), 0)}}};
+}
+
+void gpt2_table(Table& t, const GPTConfig& c, const std::string& p) {
+  const int64_t h = c.hidden(), heads = c.heads(), d = c.dim_per_head(), f = c.ffn_size();
+  renamed(t, "wte.weight", p + "wte.weight", {c.vocab(), h});
+  renamed(t, "wpe.weight", p + "wpe.weight", {c.context(), h});
+  renamed(t, "ln_f.weight", p + "ln_f.weight", {h});
+  renamed(t, "ln_f.bias", p + "ln_f.bias", {h});
+  if (!c.tied()) renamed(t, "lm_head.weight", "lm_head.weight", {c.vocab(), h});
+  // Conv1D [in, out] -> Linear [out, in].
+  auto transposed = [&](const std::string& name, const std::string& hf, int64_t out, int64_t in) {
+    t[name] = HFEntry{{out, in}, {HFPart{hf, Kind::kTransposed, 0, out, {0, 0}}}};
   };
-  if (a == HFArchitecture::kGPT2) {
-    const std::string p = gpt2_prefix;
-    same("wte.weight", p + "wte.weight", {c.vocab(), h});
-    same("wpe.weight", p + "wpe.weight", {c.context(), h});
-    same("ln_f.weight", p + "ln_f.weight", {h});
-    same("ln_f.bias", p + "ln_f.bias", {h});
-    if (!c.tied()) same("lm_head.weight", "lm_head.weight", {c.vocab(), h});
-    // Conv1D [in, out] -> Linear [out, in].
-    auto transposed = [&](const std::string& name, const std::string& hf, int64_t out, int64_t in) {
-      t[name] = HFEntry{{out, in}, {HFPart{hf, Kind::kTransposed, 0, out, {0, 0}}}};
-    };
-    for (int64_t i = 0; i < c.layers(); ++i) {
-      const std::string tp = "h." + std::to_string(i) + ".", hp = p + tp;
-      for (const char* n : {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias",
-                            "mlp.c_proj.bias"})
-        same(tp + n, hp + n, {h});
-      same(tp + "mlp.c_fc.bias", hp + "mlp.c_fc.bias", {f});
-      transposed(tp + "attn.c_proj.weight", hp + "attn.c_proj.weight", h, h);
-      transposed(tp + "mlp.c_fc.weight", hp + "mlp.c_fc.weight", f, h);
-      transposed(tp + "mlp.c_proj.weight", hp + "mlp.c_proj.weight", h, f);
-      // Hugging Face: columns q (all heads), k, v; tessera: rows q, k, v per head.
-      HFEntry w{{3 * h, h}, {}}, b{{3 * h}, {}};
-      for (int64_t head = 0; head < heads; ++head)
-        for (int64_t what = 0; what < 3; ++what) {
-          const int64_t row = (3 * head + what) * d, col = what * h + head * d;
-          w.parts.push_back(HFPart{hp + "attn.c_attn.weight", Kind::kTransposed, row, d, {0, col}});
-          b.parts.push_back(HFPart{hp + "attn.c_attn.bias", Kind::kRows, row, d, {col}});
-        }
-      t[tp + "attn.c_attn.weight"] = std::move(w);
-      t[tp + "attn.c_attn.bias"] = std::move(b);
-    }
-    return t;
+  for (int64_t i = 0; i < c.layers(); ++i) {
+    const std::string tp = "h." + std::to_string(i) + ".", hp = p + tp;
+    for (const char* n : {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias",
+                          "mlp.c_proj.bias"})
+      renamed(t, tp + n, hp + n, {h});
+    renamed(t, tp + "mlp.c_fc.bias", hp + "mlp.c_fc.bias", {f});
+    transposed(tp + "attn.c_proj.weight", hp + "attn.c_proj.weight", h, h);
+    transposed(tp + "mlp.c_fc.weight", hp + "mlp.c_fc.weight", f, h);
+    transposed(tp + "mlp.c_proj.weight", hp + "mlp.c_proj.weight", h, f);
+    // Hugging Face: columns q (all heads), k, v; tessera: rows q, k, v per head.
+    HFEntry w{{3 * h, h}, {}}, b{{3 * h}, {}};
+    for (int64_t head = 0; head < heads; ++head)
+      for (int64_t what = 0; what < 3; ++what) {
+        const int64_t row = (3 * head + what) * d, col = what * h + head * d;
+        w.parts.push_back(HFPart{hp + "attn.c_attn.weight", Kind::kTransposed, row, d, {0, col}});
+        b.parts.push_back(HFPart{hp + "attn.c_attn.bias", Kind::kRows, row, d, {col}});
+      }
+    t[tp + "attn.c_attn.weight"] = std::move(w);
+    t[tp + "attn.c_attn.bias"] = std::move(b);
   }
-  same("wte.weight", "model.embed_tokens.weight", {c.vocab(), h});
-  same("ln_f.weight", "model.norm.weight", {h});
-  if (!c.tied()) same("lm_head.weight", "lm_head.weight", {c.vocab(), h});
+}
+
+// q, k, v of one block (weight or bias): q renamed and k, v rows per kv head
+// (grouped), or q, k, v rows per head (c_attn).
+void llama_qkv(Table& t, const GPTConfig& c, const std::string& tp, const std::string& hp, const std::string& kind) {
+  const int64_t h = c.hidden(), heads = c.heads(), kv = c.num_kv_heads(), d = c.dim_per_head();
+  const bool weight = kind == "weight";
+  auto rows_of = [&](const std::string& x, int64_t row, int64_t from) {
+    return HFPart{hp + "self_attn." + x + "_proj." + kind, Kind::kRows, row, d,
+                  weight ? std::vector<int64_t>{from, 0} : std::vector<int64_t>{from}};
+  };
+  auto shape = [&](int64_t rows) { return weight ? std::vector<int64_t>{rows, h} : std::vector<int64_t>{rows}; };
+  if (c.grouped_attention()) {
+    renamed(t, tp + "attn.q_proj." + kind, hp + "self_attn.q_proj." + kind, shape(heads * d));
+    HFEntry e{shape(2 * kv * d), {}};
+    for (int64_t g = 0; g < kv; ++g) {
+      e.parts.push_back(rows_of("k", 2 * g * d, g * d));
+      e.parts.push_back(rows_of("v", (2 * g + 1) * d, g * d));
+    }
+    t[tp + "attn.kv_proj." + kind] = std::move(e);
+    return;
+  }
+  HFEntry e{shape(3 * heads * d), {}};
+  for (int64_t head = 0; head < heads; ++head) {
+    e.parts.push_back(rows_of("q", 3 * head * d, head * d));
+    e.parts.push_back(rows_of("k", (3 * head + 1) * d, head * d));
+    e.parts.push_back(rows_of("v", (3 * head + 2) * d, head * d));
+  }
+  t[tp + "attn.c_attn." + kind] = std::move(e);
+}
+
+// Mixtral's experts: expert e's w1 / w3 / w2 is row e of c_gate / c_fc / c_proj.
+void mixtral_experts(Table& t, const GPTConfig& c, const std::string& tp, const std::string& hp) {
+  const int64_t h = c.hidden(), f = c.ffn_size();
+  const std::string moe = hp + "block_sparse_moe.";
+  renamed(t, tp + "mlp.router.weight", moe + "gate.weight", {c.experts(), h});
+  auto experts = [&](const std::string& name, const char* w, int64_t out, int64_t in) {
+    HFEntry e{{c.experts(), out, in}, {}};
+    for (int64_t x = 0; x < c.experts(); ++x)
+      e.parts.push_back(HFPart{moe + "experts." + std::to_string(x) + "." + w + ".weight", Kind::kExpert, x, 1,
+                               {0, 0}});
+    t[name] = std::move(e);
+  };
+  experts(tp + "mlp.c_gate.weight", "w1", f, h);
+  experts(tp + "mlp.c_fc.weight", "w3", f, h);
+  experts(tp + "mlp.c_proj.weight", "w2", h, f);
+}
+
+void llama_table(Table& t, const GPTConfig& c) {
+  const int64_t h = c.hidden(), heads = c.heads(), d = c.dim_per_head(), f = c.ffn_size();
+  renamed(t, "wte.weight", "model.embed_tokens.weight", {c.vocab(), h});
+  renamed(t, "ln_f.weight", "model.norm.weight", {h});
+  if (!c.tied()) renamed(t, "lm_head.weight", "lm_head.weight", {c.vocab(), h});
   for (int64_t i = 0; i < c.layers(); ++i) {
     const std::string tp = "h." + std::to_string(i) + ".", hp = "model.layers." + std::to_string(i) + ".";
-    same(tp + "ln_1.weight", hp + "input_layernorm.weight", {h});
-    same(tp + "ln_2.weight", hp + "post_attention_layernorm.weight", {h});
-    same(tp + "attn.c_proj.weight", hp + "self_attn.o_proj.weight", {h, heads * d});
+    renamed(t, tp + "ln_1.weight", hp + "input_layernorm.weight", {h});
+    renamed(t, tp + "ln_2.weight", hp + "post_attention_layernorm.weight", {h});
+    renamed(t, tp + "attn.c_proj.weight", hp + "self_attn.o_proj.weight", {h, heads * d});
     if (c.qk_norm()) {
-      same(tp + "attn.q_norm.weight", hp + "self_attn.q_norm.weight", {d});
-      same(tp + "attn.k_norm.weight", hp + "self_attn.k_norm.weight", {d});
+      renamed(t, tp + "attn.q_norm.weight", hp + "self_attn.q_norm.weight", {d});
+      renamed(t, tp + "attn.k_norm.weight", hp + "self_attn.k_norm.weight", {d});
     }
-    for (const std::string kind : {"weight", "bias"}) {
-      if (kind == "bias" && !c.qkv_bias()) continue;
-      const bool weight = kind == "weight";
-      auto rows_of = [&](const std::string& x, int64_t row, int64_t from) {
-        return HFPart{hp + "self_attn." + x + "_proj." + kind, Kind::kRows, row, d,
-                      weight ? std::vector<int64_t>{from, 0} : std::vector<int64_t>{from}};
-      };
-      auto shape = [&](int64_t rows) { return weight ? std::vector<int64_t>{rows, h} : std::vector<int64_t>{rows}; };
-      if (c.grouped_attention()) {
-        same(tp + "attn.q_proj." + kind, hp + "self_attn.q_proj." + kind, shape(heads * d));
-        HFEntry e{shape(2 * kv * d), {}};
-        for (int64_t g = 0; g < kv; ++g) {
-          e.parts.push_back(rows_of("k", 2 * g * d, g * d));
-          e.parts.push_back(rows_of("v", (2 * g + 1) * d, g * d));
-        }
-        t[tp + "attn.kv_proj." + kind] = std::move(e);
-      } else {
-        HFEntry e{shape(3 * heads * d), {}};
-        for (int64_t head = 0; head < heads; ++head) {
-          e.parts.push_back(rows_of("q", 3 * head * d, head * d));
-          e.parts.push_back(rows_of("k", (3 * head + 1) * d, head * d));
-          e.parts.push_back(rows_of("v", (3 * head + 2) * d, head * d));
-        }
-        t[tp + "attn.c_attn." + kind] = std::move(e);
-      }
-    }
+    llama_qkv(t, c, tp, hp, "weight");
+    if (c.qkv_bias()) llama_qkv(t, c, tp, hp, "bias");
     if (c.moe_block(i)) {
-      const std::string moe = hp + "block_sparse_moe.";
-      same(tp + "mlp.router.weight", moe + "gate.weight", {c.experts(), h});
-      auto experts = [&](const std::string& name, const char* w, int64_t out, int64_t in) {
-        HFEntry e{{c.experts(), out, in}, {}};
-        for (int64_t x = 0; x < c.experts(); ++x)
-          e.parts.push_back(HFPart{moe + "experts." + std::to_string(x) + "." + w + ".weight", Kind::kExpert, x, 1,
-                                   {0, 0}});
-        t[name] = std::move(e);
-      };
-      experts(tp + "mlp.c_gate.weight", "w1", f, h);
-      experts(tp + "mlp.c_fc.weight", "w3", f, h);
-      experts(tp + "mlp.c_proj.weight", "w2", h, f);
+      mixtral_experts(t, c, tp, hp);
     } else {
-      same(tp + "mlp.c_gate.weight", hp + "mlp.gate_proj.weight", {f, h});
-      same(tp + "mlp.c_fc.weight", hp + "mlp.up_proj.weight", {f, h});
-      same(tp + "mlp.c_proj.weight", hp + "mlp.down_proj.weight", {h, f});
+      renamed(t, tp + "mlp.c_gate.weight", hp + "mlp.gate_proj.weight", {f, h});
+      renamed(t, tp + "mlp.c_fc.weight", hp + "mlp.up_proj.weight", {f, h});
+      renamed(t, tp + "mlp.c_proj.weight", hp + "mlp.down_proj.weight", {h, f});
     }
   }
+}
+
+}  // namespace
+
+std::map<std::string, HFEntry> hf_table(HFArchitecture a, const GPTConfig& c, const std::string& gpt2_prefix) {
+  Table t;
+  if (a == HFArchitecture::kGPT2)
+    gpt2_table(t, c, gpt2_prefix);
+  else
+    llama_table(t, c);
   return t;
 }
 

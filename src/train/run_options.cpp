@@ -267,7 +267,8 @@ void RunOptions::check(int world_size) const {
   TORCH_CHECK(export_shard_mb() >= 1, "--export-shard-mb must be >= 1, got ", export_shard_mb());
   TORCH_CHECK(export_dtype().empty() || export_dtype() == "float32" || export_dtype() == "bfloat16" ||
                   export_dtype() == "float16",
-              "--export-dtype must be float32, bfloat16 or float16 (empty: the checkpoint's), got '", export_dtype(), "'");
+              "--export-dtype must be float32, bfloat16 or float16 (empty: the checkpoint's), got '", export_dtype(),
+              "'");
   TORCH_CHECK(export_dtype().empty() || !export_hf().empty(), "--export-dtype is only read with --export-hf DIR");
   model().check();  // the architecture's rules (kv heads, rotary head dimension, MoE options on a dense model)
   TORCH_CHECK(!was_given("rope-theta") || model().positions() == models::Positions::kRotary,

@@ -166,7 +166,8 @@ void load_model_pieces(const infer::PieceSource& source, parallel::ShardedOptimi
                 [&](const std::string& name, const nn::ParamPlacement& p,
                     const parallel::ShardedOptimizer::PieceView& v, int64_t end) {
                   const std::string key = "model/" + name;
-                  TORCH_CHECK(source.contains(key), source.describe(), " has no '", name, "', a parameter of this model");
+                  TORCH_CHECK(source.contains(key), source.describe(), " has no '", name,
+                              "', a parameter of this model");
                   const auto shape = source.full_shape(key);
                   TORCH_CHECK(shape == p.full_shape, source.describe(), ": '", name, "' has shape ",
                               c10::IntArrayRef(shape), ", this model's is ", c10::IntArrayRef(p.full_shape));

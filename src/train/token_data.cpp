@@ -97,7 +97,8 @@ TokenData TokenData::load(const std::string& path, TokenFormat format) {
       meta = nlohmann::json::parse(in);
       declared_vocab = meta.at("vocab_size").get<int64_t>();
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "the token metadata ", meta_path, " is not JSON with \"vocab_size\" and \"dtype\": ", e.what());
+      TORCH_CHECK(false, "the token metadata ", meta_path, " is not JSON with \"vocab_size\" and \"dtype\": ",
+                  e.what());
     }
     const TokenFormat declared = parse_token_format(meta.value("dtype", std::string("uint16")));
     TORCH_CHECK(format == TokenFormat::kAuto || format == declared, "--data-format ", token_format_name(format),
