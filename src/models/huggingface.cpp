@@ -240,7 +240,7 @@ HFArchitecture hf_architecture_for(const GPTConfig& c) {
                           c.mlp() == nn::MLPKind::kSwiGLU && !c.bias();
   const bool gpt2_like = c.norm() == nn::NormKind::kLayerNorm && c.positions() == Positions::kLearned &&
                          c.mlp() != nn::MLPKind::kSwiGLU && c.bias() && c.qkv_bias() && !c.grouped_attention() &&
-                         c.head_dim() == 0 && !c.qk_norm() && c.experts() == 0;
+                         c.dim_per_head() * c.heads() == c.hidden() && !c.qk_norm() && c.experts() == 0;
   if (gpt2_like) return HFArchitecture::kGPT2;
   TORCH_CHECK(llama_like, "no Hugging Face architecture expresses this model (", c.to_json(),
               "): GPT-2 is LayerNorm, learned positions, GELU and biases; the Llama family RMSNorm, rotary positions, "
@@ -301,6 +301,11 @@ std::string hf_config_json(HFArchitecture a, const GPTConfig& c, const std::stri
     j["model_type"] = k.model_type;
     j["vocab_size"] = c.vocab();
     j["tie_word_embeddings"] = c.tied();
+    // No tokenizer is known: no special ids (the classes' defaults may lie
+    // outside the vocabulary), except GPT-2's <|endoftext|> in its own vocabulary.
+    const bool gpt2_vocab = a == HFArchitecture::kGPT2 && c.vocab() > 50256;
+    j["bos_token_id"] = gpt2_vocab ? Json(50256) : Json(nullptr);
+    j["eos_token_id"] = gpt2_vocab ? Json(50256) : Json(nullptr);
     if (a == HFArchitecture::kGPT2) {
       j["n_embd"] = c.hidden(), j["n_layer"] = c.layers(), j["n_head"] = c.heads(), j["n_positions"] = c.context();
       j["n_inner"] = c.ffn_size(), j["layer_norm_epsilon"] = c.norm_eps();
