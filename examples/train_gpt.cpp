@@ -58,7 +58,12 @@ int run_training(train::RunOptions options) {
   train::MetricsLog log(world->rank() == 0, options.metrics());
   const train::TokenData data = train::TokenData::load(options.data(), options.data_format());
   data.check_window(options.seq());
-  options.model().vocab(data.vocab());
+  // The model: the flags' (its vocabulary the data's), or --init-from's
+  // config.json; its context stays the run's sequence (--seq).
+  if (options.init_from().empty())
+    options.model().vocab(data.vocab());
+  else
+    options.model(train::run_model(options).context(options.seq()));
 
   // --plan: the planner chooses the layout (auto) or predicts the options' one (flags).
   std::optional<planner::Estimate> predicted;

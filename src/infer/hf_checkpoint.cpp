@@ -93,12 +93,16 @@ at::ScalarType hf_dtype(const std::string& name) {
   TORCH_CHECK(false, "dtype '", name, "' is not one of float32 (fp32), bfloat16 (bf16), float16 (fp16)");
 }
 
-HFCheckpoint::HFCheckpoint(std::string dir, int io_threads) : dir_(std::move(dir)) {
-  TORCH_CHECK(fs::is_directory(dir_), "Hugging Face model '", dir_, "' is not a directory; pass the directory that "
+models::HFConfig read_hf_config(const std::string& dir) {
+  TORCH_CHECK(fs::is_directory(dir), "Hugging Face model '", dir, "' is not a directory; pass the directory that "
               "holds config.json and model.safetensors (save_pretrained's output)");
-  const std::string config_path = (fs::path(dir_) / "config.json").string();
-  TORCH_CHECK(fs::exists(config_path), "Hugging Face model ", dir_, " has no config.json");
-  hf_ = models::hf_config_from_json(read_text(config_path), config_path);
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  TORCH_CHECK(fs::exists(config_path), "Hugging Face model ", dir, " has no config.json");
+  return models::hf_config_from_json(read_text(config_path), config_path);
+}
+
+HFCheckpoint::HFCheckpoint(std::string dir, int io_threads) : dir_(std::move(dir)) {
+  hf_ = read_hf_config(dir_);
 
   // Which file holds each tensor: the index, or the one file.
   std::map<std::string, std::string> file_names;

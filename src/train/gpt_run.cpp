@@ -55,6 +55,20 @@ std::shared_ptr<models::GPTImpl> build_gpt(const models::GPTConfig& config, cons
   return std::make_shared<models::GPTImpl>(config, factory);
 }
 
+models::GPTConfig run_model(const RunOptions& run) {
+  const std::string dir = run.hf_init_dir();
+  if (dir.empty()) return run.model();
+  const models::HFConfig hf = infer::read_hf_config(dir);
+  models::GPTConfig c = hf.model;
+  const auto& m = run.model();
+  c.dropout(m.dropout()).checkpoint_activations(m.checkpoint_activations()).capacity_factor(m.capacity_factor());
+  c.drop_policy(m.drop_policy());
+  if (c.positions() == models::Positions::kRotary) c.context(run.seq());
+  hf.check_sequence(run.seq());
+  c.check();
+  return c;
+}
+
 GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
     : world_(std::move(world)),
       run_(std::move(run)),
@@ -65,13 +79,7 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
   std::unique_ptr<infer::HFCheckpoint> hf;
   if (!run_.hf_init_dir().empty()) {
     hf = std::make_unique<infer::HFCheckpoint>(run_.hf_init_dir());
-    models::GPTConfig c = hf->config();
-    // The run's choices that are not the architecture.
-    const auto& m = run_.model();
-    c.dropout(m.dropout()).checkpoint_activations(m.checkpoint_activations()).capacity_factor(m.capacity_factor());
-    c.drop_policy(m.drop_policy());
-    if (c.positions() == models::Positions::kRotary) c.context(run_.seq());
-    hf->hf().check_sequence(run_.seq());
+    const models::GPTConfig c = run_model(run_);
     TORCH_CHECK(vocab <= c.vocab(), "the token data needs a vocabulary of ", vocab, " (its metadata's vocab_size, or "
                 "its largest id + 1), but ", hf->dir(), "'s model has ", c.vocab(), " tokens: tokenize the data with "
                 "this model's tokenizer (scripts/tokenize.py)");

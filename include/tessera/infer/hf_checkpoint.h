@@ -28,6 +28,10 @@
 namespace tessera {
 namespace infer {
 
+// DIR/config.json read (models::hf_config_from_json); throws naming DIR
+// when it is not a model directory.
+models::HFConfig read_hf_config(const std::string& dir);
+
 class HFCheckpoint : public PieceSource {
  public:
   // Opens DIR: parses config.json, the index (when sharded) and every file's

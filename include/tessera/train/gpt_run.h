@@ -38,6 +38,12 @@ TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt, Precisio
 std::shared_ptr<models::GPTImpl> build_gpt(const models::GPTConfig& config, const context::ParallelContextPtr& ctx,
                                            const RunOptions& run, bool row_keyed_dropout);
 
+// The model a run trains: run.model(), or with --init-from hf:DIR DIR's
+// config.json with the run's choices (dropout, activation checkpointing,
+// expert capacity, the sequence as the rotary context). Refuses a sequence
+// the model cannot run (HFConfig::check_sequence).
+models::GPTConfig run_model(const RunOptions& run);
+
 class GPTRun {
  public:
   // Collective over `world`: checks the options, builds the context, the
