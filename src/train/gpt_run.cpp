@@ -89,9 +89,10 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
   // Note [Final weights without --save]: a temporary directory rank 0 reads.
   if (run_.save().empty() && (run_.sample() > 0 || !run_.consolidate().empty() || !run_.export_hf().empty())) {
     const int hosts = context::map_hosts(*world_).hosts();
-    TORCH_CHECK(hosts == 1, "--sample and --consolidate read the final weights on rank 0; without --save they pass "
-                "through a temporary directory, but the ranks span ", hosts, " hosts, whose temporary directories "
-                "rank 0 cannot read: give --save DIR on a filesystem every host shares, or --sample 0");
+    TORCH_CHECK(hosts == 1, "--sample, --consolidate and --export-hf read the final weights (rank 0, or every rank "
+                "its shards); without --save they pass through a temporary directory, but the ranks span ", hosts,
+                " hosts, whose temporary directories the others cannot read: give --save DIR on a filesystem every "
+                "host shares, or --sample 0");
   }
   // Elastic dropout is keyed by the row of the global batch, so that the
   // masks do not depend on the data size (Note [Row-keyed dropout]).
