@@ -127,11 +127,15 @@ fi
 # imported lazily); CMake does not need it.
 "$PY" -c 'import typing_extensions' >/dev/null 2>&1 || pip_install --no-deps typing-extensions
 
-# --- 3b. Hugging Face transformers, for the hf_export_gpt2 test -----------------
+# --- 3b. Hugging Face transformers, for the Hugging Face tests ------------------
 # transformers imports torch's Python side (torch.fx needs sympy), so torch's
 # pure-Python requirements come too; never its CUDA wheels, triton or
 # setuptools. A constraint pins the installed torch: pip may not replace it.
-if ! "$PY" -c 'import transformers, safetensors, sympy, networkx, jinja2' >/dev/null 2>&1; then
+# transformers is pinned to the version the tests were written against: a
+# newer one may write config.json keys that tessera refuses until it reads
+# them (docs/huggingface.md); TRANSFORMERS_SPEC overrides.
+TRANSFORMERS_SPEC=${TRANSFORMERS_SPEC:-transformers==5.24.0}
+if ! "$PY" -c 'import transformers, safetensors, tokenizers, numpy, sympy, networkx, jinja2' >/dev/null 2>&1; then
   mapfile -t pyreqs < <("$PY" <<'EOF'
 import importlib.metadata as md, re
 for req in md.requires("torch") or []:
@@ -142,8 +146,9 @@ EOF
   )
   constraint=$(mktemp)
   "$PY" -c 'import importlib.metadata as md; print("torch==" + md.version("torch"))' > "$constraint"
-  log "pip install transformers safetensors ${pyreqs[*]} (torch pinned)"
-  pip_install --no-warn-conflicts --constraint "$constraint" transformers safetensors "${pyreqs[@]}"
+  log "pip install $TRANSFORMERS_SPEC safetensors tokenizers numpy ${pyreqs[*]} (torch pinned)"
+  pip_install --no-warn-conflicts --constraint "$constraint" "$TRANSFORMERS_SPEC" safetensors tokenizers numpy \
+    "${pyreqs[@]}"
   rm -f "$constraint"
 fi
 
