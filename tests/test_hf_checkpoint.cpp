@@ -73,6 +73,20 @@ void write_dir(const std::string& dir, const std::string& config_json, const Wei
   test::world()->barrier()->wait();
 }
 
+// A trainer (AdamW) of `gpt` whose weights come from `source`.
+std::unique_ptr<train::Trainer> loaded_trainer(const context::ParallelContextPtr& ctx,
+                                               const std::shared_ptr<models::GPTImpl>& gpt,
+                                               const infer::HFCheckpoint& source) {
+  auto trainer = std::make_unique<train::Trainer>(
+      ctx, train::gpt_train_model(gpt),
+      [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
+        return optim::make_optimizer(optim::OptimizerByName().name("adamw"), named);
+      },
+      train::TrainerOptions());
+  trainer->load_weights(source);
+  return trainer;
+}
+
 std::string llama_config_json(const models::GPTConfig& c) {
   return models::hf_config_json(models::hf_architecture_for(c), c, "", "float32");
 }
@@ -94,13 +108,7 @@ TEST_P(HFLlamaFamily, LoadsAtTwoRanksIntoTheReferenceWeightsAndLogits) {
   auto ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().tensor(world));
   auto factory = nn::make_layer_factory(ctx, false, false);
   auto gpt = std::make_shared<models::GPTImpl>(c, factory);
-  train::Trainer trainer(
-      ctx, train::gpt_train_model(gpt),
-      [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
-        return optim::make_optimizer(optim::OptimizerByName().name("adamw"), named);
-      },
-      train::TrainerOptions());
-  trainer.load_weights(source);
+  const auto trainer = loaded_trainer(ctx, gpt, source);
   const Weights expected = test::to_tessera(hf, c);
   const Weights got = gpt->full_state();
   ASSERT_EQ(got.size(), expected.size());
@@ -131,15 +139,9 @@ TEST(HFExport, ACheckpointOfAnImportedModelExportsTheSameTensors) {
     infer::HFCheckpoint source(dir + "/in");
     auto ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().tensor(test::world()->size()));
     auto gpt = std::make_shared<models::GPTImpl>(source.config(), nn::make_layer_factory(ctx, false, false));
-    train::Trainer trainer(
-        ctx, train::gpt_train_model(gpt),
-        [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
-          return optim::make_optimizer(optim::OptimizerByName().name("adamw"), named);
-        },
-        train::TrainerOptions());
-    trainer.load_weights(source);
+    const auto trainer = loaded_trainer(ctx, gpt, source);
     nlohmann::json meta = {{"gpt", nlohmann::json::parse(source.config().to_json())}, {"hf", source.hf().json}};
-    trainer.save(dir + "/ckpt", meta.dump());
+    trainer->save(dir + "/ckpt", meta.dump());
     for (const auto dtype : {at::kFloat, at::kBFloat16}) {
       const std::string out = dir + "/out";
       const auto stats = infer::export_hf(dir + "/ckpt", out, test::world(),
