@@ -270,6 +270,8 @@ void RunOptions::check(int world_size) const {
               "--export-dtype must be float32, bfloat16 or float16 (empty: the checkpoint's), got '", export_dtype(),
               "'");
   TORCH_CHECK(export_dtype().empty() || !export_hf().empty(), "--export-dtype is only read with --export-hf DIR");
+  TORCH_CHECK(!was_given("export-shard-mb") || !export_hf().empty(),
+              "--export-shard-mb is only read with --export-hf DIR");
   model().check();  // the architecture's rules (kv heads, rotary head dimension, MoE options on a dense model)
   TORCH_CHECK(!was_given("rope-theta") || model().positions() == models::Positions::kRotary,
               "--rope-theta is only read with rotary positions; add --positions rotary (or a Llama-family --model)");
