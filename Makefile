@@ -35,8 +35,9 @@ configure: deps $(BUILD)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The skips of the run are listed after CTest's summary (scripts/test-skips.sh).
 test: build
-	ctest --test-dir $(BUILD) $(CTEST_ARGS)
+	ctest --test-dir $(BUILD) $(CTEST_ARGS); status=$$?; scripts/test-skips.sh $(BUILD); exit $$status
 
 DEMO_DIR      = $(BUILD)/demo
 DEMO_ARGS    ?= --dp 2 --pp 2 --tp 2 --spec zero2 --schedule 1f1b --steps 1000 --lr 2e-3 --warmup 50 \
@@ -63,7 +64,8 @@ test-latest: deps
 	    -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DTORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
 	    -DPython3_EXECUTABLE=$(abspath $(BUILD_LATEST))/venv/bin/python && \
 	  cmake --build $(BUILD_LATEST) -j $(JOBS) && \
-	  LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) $(CTEST_ARGS)
+	  { LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) $(CTEST_ARGS); \
+	    status=$$?; scripts/test-skips.sh $(BUILD_LATEST); exit $$status; }
 
 clean:
 	rm -rf $(BUILD) $(BUILD_LATEST) $(BUILD_LATEST).env

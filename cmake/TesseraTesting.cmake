@@ -5,6 +5,7 @@
 # OpenMPI, gives each rank one intra-op and one BLAS thread, and makes idle
 # ranks yield the core (8 ranks share 2 cores in CI). TIMEOUT (default
 # TESSERA_TEST_TIMEOUT) turns a hang into a failure instead of a stuck CI.
+# A program that ran no test exits 77, which CTest shows as a skip.
 set(TESSERA_MPI_TEST_ENV
   OMPI_ALLOW_RUN_AS_ROOT=1
   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -27,6 +28,7 @@ function(tessera_add_mpi_test)
     COMMAND ${launcher} $<TARGET_FILE:${T_TARGET}> ${MPIEXEC_POSTFLAGS} ${T_ARGS})
   set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
     TIMEOUT ${T_TIMEOUT}
+    SKIP_RETURN_CODE 77
     ENVIRONMENT "${TESSERA_MPI_TEST_ENV};${T_ENV}"
     LABELS "mpi;np${T_RANKS}")
 endfunction()
@@ -47,7 +49,8 @@ function(tessera_add_mpi_failure_test)
       "-DEXPECT=${T_REGEX}" -P ${PROJECT_SOURCE_DIR}/cmake/expect_failure.cmake)
   set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
     TIMEOUT 60
-    ENVIRONMENT "${TESSERA_MPI_TEST_ENV}"
+    # Under expect_failure.cmake's own 30 s, so a hang is reported by name.
+    ENVIRONMENT "${TESSERA_MPI_TEST_ENV};TESSERA_COMM_TIMEOUT=20"
     LABELS "mpi;np${T_RANKS};invalid-input")
 endfunction()
 
@@ -63,5 +66,37 @@ function(tessera_add_failure_cases)
     string(REPLACE "," ";" args "${args}")
     tessera_add_mpi_failure_test(NAME ${T_PREFIX}.${case_name} TARGET ${T_TARGET} RANKS ${T_RANKS} REGEX "${regex}"
       ARGS ${T_ARGS} ${args})
+  endforeach()
+endfunction()
+
+# tessera_finish_tests()
+#
+# Called once all of a directory's tests are added. Every test must carry a
+# label, so `ctest -L` selects any part of the suite. Every test gets a time
+# limit (TESSERA_TEST_TIMEOUT unless it has one) and, unless it sets its own,
+# TESSERA_COMM_TIMEOUT a margin below that limit: a deadlock then ends with
+# tessera's message naming the operation, its sequence number and its peers
+# (Note [Timeouts]) before CTest kills the job with a bare "Timeout".
+function(tessera_finish_tests)
+  get_property(tests DIRECTORY PROPERTY TESTS)
+  foreach(t ${tests})
+    get_test_property(${t} LABELS labels)
+    if(NOT labels)
+      message(FATAL_ERROR "test '${t}' has no LABELS: label every test (docs/testing.md lists the labels)")
+    endif()
+    get_test_property(${t} TIMEOUT timeout)
+    if(NOT timeout)
+      set(timeout ${TESSERA_TEST_TIMEOUT})
+      set_tests_properties(${t} PROPERTIES TIMEOUT ${timeout})
+    endif()
+    get_test_property(${t} ENVIRONMENT env)
+    if(NOT env MATCHES "TESSERA_COMM_TIMEOUT=")
+      math(EXPR margin "${timeout} / 5")
+      if(margin LESS 20)
+        set(margin 20)
+      endif()
+      math(EXPR comm_timeout "${timeout} - ${margin}")
+      set_property(TEST ${t} APPEND PROPERTY ENVIRONMENT "TESSERA_COMM_TIMEOUT=${comm_timeout}")
+    endif()
   endforeach()
 endfunction()

@@ -10,13 +10,21 @@
 #   scripts/planner-check.sh [BUILD_DIR] [OUT_DIR]      (default build, planner-check)
 #
 # Prints a markdown table per part; OUT_DIR keeps the JSON lines.
+# PART=steps or PART=ranking runs one part. PART=ctest (the CTest
+# planner_check, label planner) runs the data-parallel plans at 4 ranks,
+# where the model holds on this machine, for 20 steps, and fails when a
+# measured step is off its prediction by more than MAX_ERROR (default 0.3:
+# the documented runs are within 0.08, a shared 2-core machine adds noise).
 set -euo pipefail
 build=${1:-build}
 out=${2:-planner-check}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-steps=${STEPS:-40}
+part=${PART:-all}
+if [[ "$part" == ctest ]]; then steps=${STEPS:-20}; else steps=${STEPS:-40}; fi
+max_error=${MAX_ERROR:-}
+[[ "$part" == ctest ]] && max_error=${MAX_ERROR:-0.3}
 overlap=${OVERLAP:-0}
 common=(--steps "$steps" --sample 0 --eval-every 0 --log-every 1000 --overlap "$overlap")
 
@@ -27,6 +35,7 @@ plans4=(
   "--pp 2" "--pp 2 --schedule gpipe --microbatches 4" "--pp 4 --microbatches 8" "--pp 2 --tp 2"
   "--sp 2 --sp-mode ulysses" "--sp 2 --sp-mode ring"
 )
+plans4_ctest=("--spec ddp" "--spec zero2" "--spec zero3" "--spec ddp --accumulation 2")
 plans8=(
   "--spec ddp" "--spec zero2" "--spec zero3" "--spec {R,P(4),S}"
   "--tp 2" "--tp 4" "--tp 8 --tp-mode 3d" "--tp 8 --tp-mode 2.5d --tp-depth 2"
@@ -53,10 +62,11 @@ print(json.dumps({"np": int(sys.argv[2]), "flags": flags, "plan": label, "predic
 PY
 }
 
-table() {  # jsonl
-  python3 - "$1" <<'PY'
+table() {  # jsonl; fails past $max_error when set
+  python3 - "$1" "$max_error" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+limit = float(sys.argv[2]) if sys.argv[2] else None
 print("| ranks | flags | predicted ms | measured ms | measured / predicted |")
 print("| --- | --- | --- | --- | --- |")
 worst = 0
@@ -66,16 +76,20 @@ for r in rows:
     print(f"| {r['np']} | `{r['flags']}` | {1e3*r['predicted_s']:.1f} | {1e3*r['measured_s']:.1f} | {q:.2f} |")
 print(f"\n{len(rows)} plans; largest error {100*worst:.0f}%; within 20%: "
       f"{sum(abs(r['measured_s']/r['predicted_s']-1) <= 0.2 for r in rows)}")
+if limit is not None and worst > limit:
+    sys.exit(f"planner-check: a measured step is {100*worst:.0f}% off its prediction, over the stated {100*limit:.0f}%")
 PY
 }
 
-if [[ "${PART:-all}" != ranking ]]; then
+if [[ "$part" != ranking ]]; then
 steps_jsonl="$out/steps.jsonl"
 : > "$steps_jsonl"
-for np in 4 8; do
+sizes=(4 8)
+[[ "$part" == ctest ]] && sizes=(4)
+for np in "${sizes[@]}"; do
   mpirun -np "$np" "$build/bench/comm_bench" --json --min-bytes 8 --max-bytes 4M --factor 4 --rounds 11 \
     --round-ms 5 > "$out/comm_bench_np$np.jsonl"
-  declare -n plans="plans$np"
+  if [[ "$part" == ctest ]]; then declare -n plans="plans4_ctest"; else declare -n plans="plans$np"; fi
   for p in "${plans[@]}"; do
     # shellcheck disable=SC2086
     run_plan "$np" "$steps_jsonl" $p --plan flags --comm-bench "$out/comm_bench_np$np.jsonl"
@@ -84,6 +98,7 @@ done
 echo "## Step time, predicted and measured"
 table "$steps_jsonl"
 fi
+[[ "$part" == ctest || "$part" == steps ]] && exit 0
 
 # The planner's choice under a memory limit that rules out DDP, against
 # every data-parallel preset (with accumulation and checkpointing variants)

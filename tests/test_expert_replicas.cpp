@@ -189,6 +189,7 @@ TEST(ExpertReplicas, GradientsReducedOverTheExpertDataGroupEqualSerial) {
 // once); a small max_norm makes clipping act on every step.
 TEST(ExpertReplicas, WholeNormsOfStackedExpertsUnderLambAndClipping) {
   const int n = test::world()->size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even world for an expert group";
   for (int ep : {2, 4})
     if (n % ep == 0) expect_equal_to_serial(ep, "zero2", /*lamb=*/true, /*clip=*/0.5);
 }

@@ -6,6 +6,10 @@
 // - After each test the ranks agree on its outcome: a test that failed on any
 //   rank is failed on every rank, naming the ranks where it failed, and every
 //   rank exits non-zero.
+// - Every skipped test is printed on one line, "[tessera-skip] npN Suite.Name:
+//   reason", which scripts/test-skips.sh collects into the suite's summary;
+//   a run in which no test ran at all exits with kSkipReturnCode, which
+//   CTest shows as a skip (SKIP_RETURN_CODE) instead of a pass.
 #include "tessera/comm/mpi_runtime.h"
 #include "tessera/core/threads.h"
 
@@ -55,6 +59,32 @@ class CrossRankOutcome : public ::testing::EmptyTestEventListener {
   int size_;
 };
 
+// The reason a skipped test gave: the message of its GTEST_SKIP().
+std::string skip_reason(const ::testing::TestResult& result) {
+  for (int i = 0; i < result.total_part_count(); ++i) {
+    const auto& part = result.GetTestPartResult(i);
+    if (part.skipped()) return part.message();
+  }
+  return "";
+}
+
+class SkipPrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit SkipPrinter(int size) : size_(size) {}
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (!info.result()->Skipped()) return;
+    std::printf("[tessera-skip] np%d %s.%s: %s\n", size_, info.test_suite_name(), info.name(),
+                skip_reason(*info.result()).c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  int size_;
+};
+
+// CTest's SKIP_RETURN_CODE (cmake/TesseraTesting.cmake).
+constexpr int kSkipReturnCode = 77;
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,8 +101,19 @@ int main(int argc, char** argv) {
     listeners.Append(new RankFailurePrinter(rank));
   }
   listeners.Append(new CrossRankOutcome(rank, size));
+  if (rank == 0) listeners.Append(new SkipPrinter(size));
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   int any = 0;
   MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  return any;
+  if (any) return 1;
+  // A run that ran nothing is not a pass: no test matched, or every one skipped.
+  const auto& unit = *::testing::UnitTest::GetInstance();
+  int ran = unit.test_to_run_count() - unit.skipped_test_count();
+  int most = 0;
+  MPI_Allreduce(&ran, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (most == 0) {
+    if (rank == 0) std::printf("[tessera-skip] np%d: no test ran at %d rank(s)\n", size, size);
+    return kSkipReturnCode;
+  }
+  return 0;
 }
