@@ -8,6 +8,7 @@
 // sizes has a fixed run's losses too. Idle ranks wait without taking a core.
 // Bad input is refused on every rank.
 #include "test_util.h"
+#include "saved_state.h"
 
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
@@ -21,6 +22,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <regex>
 
 namespace tessera {
 namespace {
@@ -296,6 +298,61 @@ TEST(Elastic, TensorAndPipelineSizesMoveToo) {
   const auto elastic =
       elastic_run({dp(2, 1, 2), dp(1, 2, 2), dp(4), dp(1)}, {0, 3, 6, 9}, "zero2", 0.0, false, 12);
   expect_close(elastic, fixed, 1e-5);
+}
+
+// The step count and the loss scaler's state in a trainer's metadata, the
+// part of it that a move must carry over unchanged.
+std::string carried_metadata(const std::string& json) {
+  std::smatch step, scaler;
+  EXPECT_TRUE(std::regex_search(json, step, std::regex(R"("step":\d+)"))) << json;
+  EXPECT_TRUE(std::regex_search(json, scaler, std::regex(R"("loss_scaler":\{[^}]*\})"))) << json;
+  return step.str() + " " + scaler.str();
+}
+
+// Each move carries the whole state over bit for bit: every bf16 parameter,
+// fp32 master, AdamW moment and step count (the state pieces, assembled apart
+// from the exchange: saved_state.h), the trainer's step and the loss
+// scaler's state, which grows after every clean step so that it is not its
+// initial value at any move. Through data, tensor and pipeline sizes.
+TEST(Elastic, EachMoveCarriesTheWholeStateBitForBit) {
+  auto world = test::world();
+  if (world->size() < 4) GTEST_SKIP() << "needs 4 ranks";
+  auto bf16 = [](const context::ParallelContextPtr& ctx) {
+    torch::manual_seed(7);
+    auto gpt = std::make_shared<models::GPTImpl>(gpt_config(0.0), nn::make_layer_factory(ctx));
+    gpt->to(at::kBFloat16);
+    return train::gpt_train_model(gpt);
+  };
+  const auto options =
+      trainer_options("zero2").loss_scaling(true).scaler(optim::LossScalerOptions().growth_interval(1));
+  train::ElasticTrainer et(world, bf16, adamw, dp(1), train::ElasticOptions().trainer(options));
+  const std::vector<std::pair<int64_t, ParallelConfig>> moves = {
+      {2, dp(2)}, {4, dp(4)}, {6, dp(1, 2, 2)}, {8, dp(2, 1, 2)}, {10, dp(1)}};
+  const std::string dir = ::testing::TempDir() + "tessera_elastic_state_np" + std::to_string(world->size());
+  size_t next = 0;
+  for (int64_t step = 0; step < 12; ++step) {
+    if (next < moves.size() && moves[next].first == step) {
+      const ParallelConfig& to = moves[next++].second;
+      SCOPED_TRACE(et.layout_name() + " -> " + context::to_string(to) + " at step " + std::to_string(step));
+      const auto before = test::gather_state(et.active() ? et.trainer().state_pieces() : std::vector<train::TensorPiece>{},
+                                             dir);
+      // Rank 0 is active in every layout (the first ranks are).
+      const std::string meta = world->rank() == 0 ? carried_metadata(et.trainer().state_metadata()) : "";
+      if (world->rank() == 0) {
+        EXPECT_NE(meta.find("\"scale\":"), std::string::npos) << meta;
+        EXPECT_EQ(meta.find("\"scale\":65536.0"), std::string::npos) << "the scale must have grown: " << meta;
+      }
+      et.reshape(to);
+      test::expect_state_equal(et.active() ? et.trainer().state_pieces() : std::vector<train::TensorPiece>{}, before);
+      if (world->rank() == 0) EXPECT_EQ(carried_metadata(et.trainer().state_metadata()), meta);
+    }
+    if (!et.active()) continue;
+    const auto [x, y] = batch(step);
+    const auto [first, count] = et.rows_of(kBatch);
+    const train::StepStats st = et.trainer().train_step(x.narrow(0, first, count), y.narrow(0, first, count));
+    EXPECT_FALSE(st.skipped) << "step " << step;
+  }
+  et.finish();
 }
 
 TEST(Elastic, IdleRanksSleep) {

@@ -3,6 +3,7 @@
 // training that tracks fp32.
 #include "test_util.h"
 
+#include "counting_allocator.h"
 #include "reference_gpt.h"
 
 #include "tessera/context/parallel_context.h"
@@ -124,11 +125,17 @@ TEST(LossScaler, InjectedInfOnOneRankSkipsTheStepEverywhere) {
 }
 
 // Model states after a step with bf16 parameters and fp32 AdamW:
-// 2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os, up to the padding of each bucket.
+// 2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os, up to the padding of each bucket, both as
+// ShardedOptimizer counts them and as the allocator does: the bytes of CPU
+// storage live after the step beyond those live before the model was built.
 TEST(MixedPrecision, Bf16ModelStateMemoryEqualsTheFormula) {
   const int dp = test::world()->size();
+  auto& counter = test::CountingAllocator::instance();
   for (const char* spec : {"ddp", "zero1", "zero2", "zero3"}) {
     SCOPED_TRACE(spec);
+    test::CountingScope counting;
+    const int64_t before = counter.live();
+    const uint64_t mark = counter.mark();
     torch::manual_seed(0);
     MLP model;
     model->to(at::kBFloat16);
@@ -147,18 +154,33 @@ TEST(MixedPrecision, Bf16ModelStateMemoryEqualsTheFormula) {
     EXPECT_NEAR(m.params, 2.0 * psi / d.params, slack);
     EXPECT_NEAR(m.grads, 2.0 * psi / d.grads, slack);
     EXPECT_NEAR(m.optim, 12.0 * psi / d.optim, slack);
+    x = at::Tensor();
+    const double formula = 2.0 * psi / d.params + 2.0 * psi / d.grads + 12.0 * psi / d.optim;
+    EXPECT_NEAR(static_cast<double>(counter.live() - before), formula, slack + 1024)
+        << "allocated and still live: " << counter.live_since(mark);
   }
 }
 
 // bf16 parameters with their fp32 masters on disk, in tiles smaller than a
 // parameter's piece: the same steps, bit for bit, as the masters in memory,
-// and no optimizer state holds memory between steps.
+// and no optimizer state holds memory between steps: the allocator's live
+// bytes after the steps are the parameters and gradients (2Ψ/s_p + 2Ψ/s_g)
+// and the tile buffers, where the masters in memory add 12Ψ/s_os.
 TEST(MixedPrecision, Bf16MastersOnDiskGiveTheSameSteps) {
   struct Run {
     std::vector<at::Tensor> params;
     int64_t state_bytes_in_memory = 0;
+    int64_t live_bytes = 0;            // the allocator's, beyond those before the model
+    std::string live_blocks;           // what they are: "bytes x count, ..."
+    double params_and_grads = 0;       // 2Ψ/s_p + 2Ψ/s_g
+    double optimizer_states = 0;       // 12Ψ/s_os
+    double slack = 0;                  // bucket padding
   };
-  auto run = [](parallel::ShardedOptimizerOptions options) {
+  auto& counter = test::CountingAllocator::instance();
+  auto run = [&counter](parallel::ShardedOptimizerOptions options) {
+    test::CountingScope counting;
+    const int64_t before = counter.live();
+    const uint64_t mark = counter.mark();
     torch::manual_seed(0);
     MLP model;
     model->to(at::kBFloat16);
@@ -172,6 +194,14 @@ TEST(MixedPrecision, Bf16MastersOnDiskGiveTheSameSteps) {
       opt.step();
     }
     Run r;
+    r.live_bytes = counter.live() - before;
+    r.live_blocks = counter.live_since(mark);
+    int64_t psi = 0;
+    for (const auto& p : model->parameters()) psi += p.numel();
+    const auto d = sharded->degrees();
+    r.params_and_grads = 2.0 * psi / d.params + 2.0 * psi / d.grads;
+    r.optimizer_states = 12.0 * psi / d.optim;
+    r.slack = 12.0 * test::world()->size() * sharded->num_buckets() + 1024;
     auto full = sharded->full_params();
     for (const auto& p : model->parameters()) r.params.push_back(p.detach().clone());
     for (const auto& entry : opt.inner().state()) {
@@ -190,6 +220,75 @@ TEST(MixedPrecision, Bf16MastersOnDiskGiveTheSameSteps) {
   }
   EXPECT_GT(in_memory.state_bytes_in_memory, 0);
   EXPECT_EQ(on_disk.state_bytes_in_memory, 0);
+  EXPECT_NEAR(in_memory.live_bytes, in_memory.params_and_grads + in_memory.optimizer_states, in_memory.slack)
+      << in_memory.live_blocks;
+  // Two slots of a tile (Note [Tiles in slots]): 400 bytes of masters and
+  // their two AdamW states, rounded up to the 4 KiB of direct I/O, and
+  // 4 KiB to align the slot's start.
+  const int64_t direct = 4096;
+  const int64_t slots = 2 * ((3 * 400 + direct - 1) / direct * direct + direct);
+  EXPECT_NEAR(on_disk.live_bytes, on_disk.params_and_grads + slots, on_disk.slack) << on_disk.live_blocks;
+}
+
+// bf16 parameters and fp32 masters against a reference that keeps the
+// masters itself (plain LibTorch): each step the bf16 model's gradient,
+// divided by the data size in bf16 as the data-parallel mean is, becomes the
+// fp32 masters' gradient; LibTorch's AdamW steps the masters; the model gets
+// them rounded to bf16. 20 steps under every ZeRO stage, every parameter
+// compared after each. Only rank 0's rows carry a loss (the others' gradients
+// are exactly 0), so the reduction's summation order cannot round, and any
+// difference is the masters' path: a step taken in bf16 instead loses the
+// small updates. At data sizes that are powers of two.
+TEST(MixedPrecision, Bf16StepsEqualExplicitFp32Masters) {
+  auto ctx = data_context();
+  const int dp = ctx->size(context::ParallelMode::kData);
+  // Where the mean's 1/dp is applied (loss, gradient, reduction) rounds
+  // differently in bf16 unless dividing by dp is exact.
+  if ((dp & (dp - 1)) != 0) GTEST_SKIP() << "dividing by a data size of " << dp << " rounds in bf16";
+  const int rank = ctx->rank(context::ParallelMode::kData);
+  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+  auto batch = [](int step) { return test::seeded_randn({4, 24}, 100 + step).to(at::kBFloat16); };
+  for (const char* spec : {"ddp", "zero1", "zero2", "zero3"}) {
+    SCOPED_TRACE(spec);
+    torch::manual_seed(0);
+    MLP reference;
+    reference->to(at::kBFloat16);
+    std::vector<at::Tensor> masters;
+    for (const auto& p : reference->parameters()) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
+    torch::optim::AdamW master_opt(masters, adamw);
+
+    torch::manual_seed(0);
+    MLP model;
+    model->to(at::kBFloat16);
+    auto sharded = std::make_shared<ShardedModule>(
+        model.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(spec)).bucket_bytes(1024));
+    ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(model->parameters(), adamw));
+    for (int step = 0; step < 20; ++step) {
+      const at::Tensor x = batch(step);
+      // The reference: rank 0's loss, the mean's division in bf16, fp32 masters.
+      for (auto& p : reference->parameters()) p.mutable_grad() = at::Tensor();
+      reference->forward(x).to(at::kFloat).pow(2).mean().backward();
+      {
+        at::NoGradGuard no_grad;
+        const auto params = reference->parameters();
+        for (size_t i = 0; i < params.size(); ++i) masters[i].mutable_grad() = params[i].grad().div(dp).to(at::kFloat);
+        master_opt.step();
+        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
+      }
+      // Tessera: every rank runs the batch, only rank 0's counts.
+      opt.zero_grad();
+      const double weight = rank == 0 ? 1.0 : 0.0;
+      (sharded->run([&] { return model->forward(x); }).to(at::kFloat).pow(2).mean() * weight).backward();
+      opt.step();
+      auto full = sharded->full_params();
+      const auto got = model->parameters(), want = reference->parameters();
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].scalar_type(), at::kBFloat16);
+        EXPECT_LE(test::rel_error(got[i].to(at::kFloat), want[i].to(at::kFloat)), 1e-6)
+            << "parameter " << i << " after step " << step;
+      }
+    }
+  }
 }
 
 // bf16 GPT with fp32 masters, sharded over the data group, tracks the fp32

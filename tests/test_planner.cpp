@@ -21,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -241,6 +242,88 @@ TEST(Planner, BytesAndModelStatesEqualTheMeasuredStep) {
 
 namespace tessera {
 namespace {
+
+// The step time of plans on a cluster written here, against the time model
+// of docs/planner.md computed in the test: forward FLOPs (every matmul, 2
+// per multiply-add, and attention's scores and values, 4·T·s·h per block)
+// at the rate, backward twice that; each collective latency × its steps (a
+// tree all-reduce 2 log2 n, a ring n − 1) plus bus bytes over the link's
+// bandwidth (a node's link shared by its ranks across nodes), none hidden
+// (overlap 0); the optimizer reading and writing its states and touching
+// gradient and parameter, (2·8 + 3·4) bytes per element at the memory
+// bandwidth. Exact up to rounding.
+TEST(Planner, StepTimeEqualsTheFormulaOnAHandWrittenCluster) {
+  const auto cluster = planner::ClusterDesc::from_json(R"({
+      "name": "hand", "gpus_per_node": 4, "nodes": 2, "memory_gb": 80, "peak_tflops": 2,
+      "memory_bandwidth_gbs": 100, "overlap": 0,
+      "intra": {"default": {"bandwidth_gbs": 10, "latency_us": 5}},
+      "inter": {"default": {"bandwidth_gbs": 4, "latency_us": 20}}})");
+  const double rate = 2e12, membw = 100e9, intra_bw = 10e9, intra_lat = 5e-6, inter_bw = 4e9, inter_lat = 20e-6;
+  models::GPTConfig c = models::GPTConfig::preset("tiny");  // GPT-2 style: biases, LayerNorm, learned positions, tied
+  c.layers(2).hidden(64).heads(4).vocab(128).context(32);
+  const double L = 2, h = 64, V = 128, s = 32;
+  const auto model = planner::ModelDesc::gpt(c, 32);
+  const double psi = V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h;  // tokens, positions, blocks, ln_f
+  ASSERT_EQ(model.params(), psi);
+  struct Case {
+    int dp;
+    const char* spec;
+    int nodes;         // the data group spans
+    double moved;      // bytes the collectives move, over Ψ
+    int optim_shards;  // s_os
+  };
+  // What moves: ddp all-reduces every gradient (4Ψ bytes); zero3 gathers the
+  // parameters twice (forward, backward: 8Ψ traced, the gathered size) and
+  // reduce-scatters the gradients (4Ψ); mics:2 does that inside shard groups
+  // of 2 and all-reduces its half of the gradients over the replicas (2Ψ).
+  for (const Case& k : {Case{4, "ddp", 1, 4, 1}, Case{8, "ddp", 2, 4, 1}, Case{8, "zero3", 2, 12, 8},
+                        Case{8, "mics:2", 2, 14, 2}}) {
+    SCOPED_TRACE(std::string(k.spec) + " dp" + std::to_string(k.dp));
+    planner::Plan plan;
+    plan.grid = ParallelConfig().data(k.dp);
+    plan.spec = parallel::ShardingSpec::parse(k.spec);
+    plan.global_batch = 32;
+    const auto est = planner::estimate(model, plan, cluster);
+    const double T = plan.global_batch / k.dp * s;  // tokens per rank
+    const double forward = L * (2 * T * (4 * h * h + 8 * h * h) + 4 * T * s * h) + 2 * T * V * h;
+    const double compute = 3 * forward / rate;
+    EXPECT_NEAR(est.compute_s, compute, 1e-12 * compute);
+    // Every collective: its latency steps and bus bytes on its link.
+    double comm = 0, traced = 0;
+    for (const auto& x : est.traffic.items()) {
+      const double n = x.size;
+      const bool ring = x.op != OpType::kAllReduce;
+      const double steps = ring ? n - 1 : 2 * std::ceil(std::log2(n));
+      const double bus = x.bytes * (ring ? (n - 1) / n : 2 * (n - 1) / n);
+      EXPECT_NEAR(x.bus_bytes, bus, 1e-9 * bus) << x.group << " " << comm::op_type_name(x.op);
+      // Where the group lies on nodes of 4, ranks in order: the data group
+      // and its shard groups are runs of consecutive ranks (8 fill both
+      // nodes, 2 sit in one); a replica group of mics:2 takes every other
+      // rank, 2 of each node.
+      int nodes = std::max(1, x.size / 4), per_node = std::min(x.size, 4);
+      if (x.group.rfind("data.replica", 0) == 0) nodes = 2, per_node = x.size / 2;
+      if (n > 1) {
+        EXPECT_EQ(x.nodes, nodes) << x.group;
+        EXPECT_EQ(x.per_node, per_node) << x.group;
+      }
+      // A group across nodes gets its share of each node's link: per_node / 4.
+      const double bandwidth = nodes == 1 ? intra_bw : std::min(intra_bw, inter_bw * per_node / 4.0);
+      const double latency = nodes == 1 ? intra_lat : std::max(intra_lat, inter_lat);
+      comm += x.calls * steps * latency + bus / bandwidth;
+      if (n > 1) traced += x.bytes;  // a group of one (the vocabulary's, at tp 1) moves nothing
+    }
+    EXPECT_NEAR(traced, k.moved * psi, 4.0 * k.dp * 8) << "bytes the collectives move: " << est.to_json();
+    const double optimizer = (2 * 8 + 3 * 4) * psi / k.optim_shards / membw;
+    EXPECT_NEAR(est.optimizer_s, optimizer, 1e-3 * optimizer);
+    EXPECT_NEAR(est.data_exposed_s, comm, 1e-12 * comm);
+    const double step = compute + comm + est.optimizer_s;
+    EXPECT_NEAR(est.step_s, step, 1e-12 * step);
+    EXPECT_NEAR(est.mfu, model.flops_per_sequence() * plan.global_batch / (step * k.dp * rate), 1e-12);
+    if (test::world()->rank() == 0)
+      std::printf("  %s dp%d: compute %.4g s, communication %.4g s, optimizer %.4g s, step %.4g s\n", k.spec, k.dp,
+                  compute, comm, est.optimizer_s, est.step_s);
+  }
+}
 
 TEST(Planner, BadInputIsRefused) {
   EXPECT_TRUE(test::throws_with([] { planner::ModelDesc::preset("llama-8b", 128); }, "unknown model preset 'llama-8b'"));

@@ -1,9 +1,10 @@
-// The trainer and its checkpoints on tessera's GPT. Trainer: 3 steps of
-// SGD-momentum with warm-up and clipping equal to the serial reference GPT
-// (tests/reference_gpt.h: plain LibTorch, nothing from tessera; losses and
-// gradient norms within 1e-5) in
-// every configuration the world allows, 1D, 2D, 2.5D and 3D with data and
-// pipeline parallelism, under several sharding specs. Checkpoints: resuming reproduces the losses bit for
+// The trainer and its checkpoints on tessera's GPT. Trainer: 5 steps of
+// SGD-momentum with warm-up, cosine, linear or polynomial decay (the rates
+// from a formula written here) and clipping equal to the serial reference
+// GPT (tests/reference_gpt.h: plain LibTorch, nothing from tessera; losses,
+// gradient norms and every parameter after the steps within 1e-5) in
+// every configuration the world allows, 1D, 2D, 2.5D and 3D with data,
+// sequence and pipeline parallelism, under several sharding specs. Checkpoints: resuming reproduces the losses bit for
 // bit (dropout on); a checkpoint of dp2 x pp2 x tp2 loads at dp4 x tp2,
 // tp4 x dp2, 2D x dp2 and in one process, and one of 2.5D (q 2, depth 2) as
 // 1D tp4 x dp2 and in one process, and one of 3D as 2D x dp2 and in one
@@ -13,7 +14,9 @@
 // and headers take the groups' control channels, tensors the device ones.
 #include "test_util.h"
 
+#include "counting_allocator.h"
 #include "reference_gpt.h"
+#include "saved_state.h"
 
 #include "tessera/comm/tracing_communicator.h"
 #include "tessera/context/parallel_context.h"
@@ -29,6 +32,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -62,6 +66,7 @@ struct Layout {
   bool loss_scaling = false;  // dynamic loss scaling from 2^16
   int chunks = 1;             // > 1: interleaved 1F1B
   bool disk = false;          // optimizer states on disk, in small tiles
+  train::LrDecay decay = train::LrDecay::kCosine;
 };
 
 // The configurations a world of n ranks can run.
@@ -101,8 +106,37 @@ struct Model {
   std::unique_ptr<train::Trainer> trainer;
 };
 
-train::LrSchedule schedule(double peak) {
-  return train::LrSchedule().peak(peak).warmup_steps(2).total_steps(30).decay(train::LrDecay::kCosine);
+// Two warm-up steps, then decay to a tenth of the peak at step 5: the
+// serial side's rates come from lr_formula, written here from the schedule's
+// definition (docs/trainer.md), not from tessera's LrSchedule.
+constexpr int64_t kWarmup = 2, kDecayEnd = 5;
+constexpr double kMinRatio = 0.1, kPower = 2;
+
+train::LrSchedule schedule(double peak, train::LrDecay decay = train::LrDecay::kCosine) {
+  return train::LrSchedule()
+      .peak(peak)
+      .warmup_steps(kWarmup)
+      .total_steps(kDecayEnd)
+      .decay(decay)
+      .min_ratio(kMinRatio)
+      .power(kPower);
+}
+
+double lr_formula(double peak, train::LrDecay decay, int64_t step) {
+  if (step < kWarmup) return peak * (step + 1) / kWarmup;
+  const double p = std::min(1.0, double(step - kWarmup) / double(kDecayEnd - kWarmup));
+  const double floor = kMinRatio * peak;
+  switch (decay) {
+    case train::LrDecay::kCosine:
+      return floor + (peak - floor) * (1 + std::cos(M_PI * p)) / 2;
+    case train::LrDecay::kLinear:
+      return peak - (peak - floor) * p;
+    case train::LrDecay::kPolynomial:
+      return floor + (peak - floor) * std::pow(1 - p, kPower);
+    case train::LrDecay::kConstant:
+      return peak;
+  }
+  return 0;
 }
 
 parallel::PipelineOptions pipeline_options(const Layout& s) {
@@ -113,7 +147,7 @@ parallel::PipelineOptions pipeline_options(const Layout& s) {
 }
 
 Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t seed, double dropout, bool adamw,
-               at::ScalarType dtype = at::kFloat) {
+               at::ScalarType dtype = at::kFloat, int64_t bucket_bytes = 4096) {
   torch::manual_seed(seed);
   Model r;
   r.gpt = std::make_shared<models::GPTImpl>(config(dropout), nn::make_layer_factory(ctx));
@@ -131,8 +165,8 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
                                                    .pipeline(pipeline_options(s))
                                                    .loss_scaling(s.loss_scaling)
                                                    .clip_grad_norm(0.5)
-                                                   .lr(schedule(adamw ? 1e-3 : 0.1))
-                                                   .bucket_bytes(4096)
+                                                   .lr(schedule(adamw ? 1e-3 : 0.1, s.decay))
+                                                   .bucket_bytes(bucket_bytes)
                                                    .offload(s.disk ? parallel::Offload::kDisk : parallel::Offload::kNone)
                                                    .disk(parallel::DiskOffloadOptions()
                                                              .dir(s.disk ? ::testing::TempDir() : "")
@@ -159,13 +193,14 @@ std::string shared_dir(const std::string& what) {
 // The serial reference: the reference GPT from the weights every run starts
 // from (tessera's initialisation with seed 7, the same whatever the layout;
 // tessera's GPT is the source of weights only), SGD-momentum,
-// clip_grad_norm_ 0.5, the same schedule; the loss and the gradient norm
-// before clipping of each of 3 steps.
+// clip_grad_norm_ 0.5, lr_formula's rates; the loss, the gradient norm
+// before clipping and the rate of each step, and the weights after them.
 struct SerialSteps {
-  std::vector<double> losses, norms;
+  std::vector<double> losses, norms, lrs;
+  std::map<std::string, at::Tensor> weights;
 };
 
-SerialSteps serial_steps(int64_t rows) {
+SerialSteps serial_steps(int64_t rows, train::LrDecay decay = train::LrDecay::kCosine, int steps = 3) {
   auto world = test::world();
   std::map<std::string, at::Tensor> initial;
   {
@@ -178,8 +213,9 @@ SerialSteps serial_steps(int64_t rows) {
   gpt->load_full_state(initial);
   torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   SerialSteps out;
-  for (int step = 0; step < 3; ++step) {
-    for (auto& g : opt.param_groups()) g.options().set_lr(schedule(0.1).at(step));
+  for (int step = 0; step < steps; ++step) {
+    out.lrs.push_back(lr_formula(0.1, decay, step));
+    for (auto& g : opt.param_groups()) g.options().set_lr(out.lrs.back());
     opt.zero_grad();
     at::Tensor loss = gpt->loss(gpt->forward(ids(rows, 100 + step)), ids(rows, 200 + step));
     loss.backward();
@@ -187,32 +223,63 @@ SerialSteps serial_steps(int64_t rows) {
     opt.step();
     out.losses.push_back(loss.item<double>());
   }
+  out.weights = gpt->full_state();
   return out;
 }
 
-// 3 trainer steps of `s` against the serial losses and gradient norms
-// (relative `tolerance`), the model's parameters in `dtype`.
+// Every parameter of a trained model against `expected`: read from its
+// consolidated checkpoint, as a pipeline rank holds only its own stage's.
+void expect_weights(train::Trainer& trainer, const std::map<std::string, at::Tensor>& expected,
+                    const std::string& name, double tolerance) {
+  const std::string dir = shared_dir("weights_" + name);
+  trainer.save(dir + "/ckpt");
+  if (test::world()->rank() == 0) {
+    train::consolidate_checkpoint(dir + "/ckpt", dir + "/model.safetensors");
+    SafetensorsFile f(dir + "/model.safetensors");
+    EXPECT_EQ(f.names().size(), expected.size());
+    for (const auto& [param, value] : expected)
+      EXPECT_LE(test::rel_error(f.read(param).to(at::kFloat), value), tolerance) << param;
+  }
+  test::world()->barrier();
+}
+
+// The trainer steps of `s` (as many as `expected` has) against the serial
+// losses, gradient norms and rates (relative `tolerance`), the model's
+// parameters in `dtype`; with `weights`, every parameter after the steps.
 void expect_serial_steps(const Layout& s, const SerialSteps& expected, int64_t rows, double tolerance = kTolerance,
-                         at::ScalarType dtype = at::kFloat) {
+                         at::ScalarType dtype = at::kFloat, bool weights = false) {
   SCOPED_TRACE(s.name);
   auto ctx = context::ParallelContext::create(test::world(), s.parallel);
   Model r = make_run(ctx, s, 7, 0.0, false, dtype);
-  for (int step = 0; step < 3; ++step) {
+  for (int step = 0; step < static_cast<int>(expected.losses.size()); ++step) {
     auto [x, y] = batch(ctx, rows, step);
     const train::StepStats st = r.trainer->train_step(x, y);
     EXPECT_NEAR(st.loss, expected.losses[step], tolerance * expected.losses[step]) << "step " << step;
     EXPECT_NEAR(st.grad_norm, expected.norms[step], tolerance * expected.norms[step]) << "norm, step " << step;
     EXPECT_GT(st.grad_norm, 0.5) << "the test must clip";
-    EXPECT_DOUBLE_EQ(st.lr, schedule(0.1).at(step));
+    EXPECT_NEAR(st.lr, expected.lrs[step], 1e-12 * expected.lrs[step]) << "rate, step " << step;
     EXPECT_FALSE(st.skipped) << "step " << step;
     if (s.loss_scaling) EXPECT_DOUBLE_EQ(r.trainer->scaler()->current_scale(), 65536.0) << "step " << step;
   }
+  if (weights) expect_weights(*r.trainer, expected.weights, s.name, tolerance);
 }
 
-TEST(Trainer, ThreeStepsEqualSerial) {
+// Five steps: two of warm-up and three of decay, the layouts taking cosine,
+// linear and polynomial decay in turn; then every parameter.
+TEST(Trainer, FiveStepsEqualSerial) {
   const int64_t rows = 12;
-  const SerialSteps expected = serial_steps(rows);
-  for (const Layout& s : layouts(test::world()->size())) expect_serial_steps(s, expected, rows);
+  const std::vector<train::LrDecay> decays = {train::LrDecay::kCosine, train::LrDecay::kLinear,
+                                              train::LrDecay::kPolynomial};
+  std::map<train::LrDecay, SerialSteps> expected;
+  for (train::LrDecay d : decays) expected[d] = serial_steps(rows, d, 5);
+  const auto all = layouts(test::world()->size());
+  if (all.empty()) GTEST_SKIP() << "no trainer layout at " << test::world()->size() << " ranks";
+  for (size_t i = 0; i < all.size(); ++i) {
+    Layout s = all[i];
+    s.decay = decays[i % decays.size()];
+    s.name += "_" + train::lr_decay_name(s.decay);
+    expect_serial_steps(s, expected.at(s.decay), rows, kTolerance, at::kFloat, /*weights=*/true);
+  }
 }
 
 // bf16 parameters under a pipeline with dynamic loss scaling (the scale
@@ -236,12 +303,19 @@ TEST(Trainer, PipelineBf16WithLossScalingTracksSerial) {
 // most parameter and gradient bytes the module held during a step are its
 // shards, the full gradients it accumulates and one stage's full
 // parameters, not both stages'. A peak above that bound fails; the lower
-// bound shows a stage was gathered at all.
+// bound shows a stage was gathered at all. Both as the module counts them
+// and as the allocator does.
 TEST(Trainer, Zero3UnderAPipelineGathersOneStageAtATime) {
   if (test::world()->size() != 4) GTEST_SKIP() << "needs 4 ranks";
   const Layout s{"dp2_pp2_zero3_interleaved", ParallelConfig().data(2).pipeline(2), "zero3", 2, false, 2};
   auto ctx = context::ParallelContext::create(test::world(), s.parallel);
-  Model r = make_run(ctx, s, 7, 0.0, false);
+  // Buckets of up to 1 MiB hold a stage each, so that every parameter and
+  // gradient buffer is a block of at least 32 KiB, which the allocator
+  // watches apart from the step's activations (at most 25 KiB each here).
+  auto& counter = test::CountingAllocator::instance();
+  test::CountingScope counting;
+  counter.watch(32 << 10);
+  Model r = make_run(ctx, s, 7, 0.0, false, at::kFloat, 1 << 20);
   const auto* pipe = r.trainer->pipeline();
   ASSERT_NE(pipe, nullptr);
   auto& module = r.trainer->module();
@@ -257,15 +331,20 @@ TEST(Trainer, Zero3UnderAPipelineGathersOneStageAtATime) {
   // bucket may add (< dp elements per bucket).
   const auto layers = r.gpt->as_sequential();
   const auto& bounds = pipe->stage_bounds();
-  std::vector<int64_t> stage_bytes;
+  std::vector<int64_t> stage_bytes, stage_watched;  // all, and in layers of at least 32 KiB (the blocks)
   for (int st = 0; st + 1 < static_cast<int>(bounds.size()); ++st) {
     if (pipe->schedule().rank_of(st) != ctx->comm(ParallelMode::kPipeline)->rank()) continue;
     std::set<const c10::TensorImpl*> seen;
-    int64_t bytes = 0;
-    for (int64_t i = bounds[st]; i < bounds[st + 1]; ++i)
+    int64_t bytes = 0, watched = 0;
+    for (int64_t i = bounds[st]; i < bounds[st + 1]; ++i) {
+      int64_t layer = 0;
       for (const auto& p : layers->ptr(i)->parameters())
-        if (seen.insert(p.unsafeGetTensorImpl()).second) bytes += p.numel() * 4;
+        if (seen.insert(p.unsafeGetTensorImpl()).second) layer += p.numel() * 4;
+      bytes += layer;
+      if (layer >= (32 << 10)) watched += layer;
+    }
     stage_bytes.push_back(bytes);
+    stage_watched.push_back(watched);
   }
   ASSERT_EQ(stage_bytes.size(), 2u);
   const int64_t padding = static_cast<int64_t>(module.num_buckets()) * dp * 4 * 3;
@@ -274,8 +353,17 @@ TEST(Trainer, Zero3UnderAPipelineGathersOneStageAtATime) {
   ASSERT_GT(smaller, 2 * padding) << "the stages must differ from one by more than the slack";
   for (int step = 0; step < 2; ++step) {
     module.reset_peak_bytes();
+    counter.reset_peak();
+    const int64_t held = counter.watched_live();
     auto [x, y] = batch(ctx, 12, step);
     r.trainer->train_step(x, y);
+    // The allocator's view of the same claim: at the step's peak, the
+    // blocks' full gradients (every local stage's, accumulated) and the
+    // gathered parameters of one stage, not of both.
+    const int64_t grads = stage_watched[0] + stage_watched[1];
+    const int64_t rise = counter.watched_peak() - held;
+    EXPECT_LE(rise, grads + std::max(stage_watched[0], stage_watched[1])) << "allocator, step " << step;
+    EXPECT_GE(rise, grads + std::min(stage_watched[0], stage_watched[1])) << "allocator, step " << step;
     EXPECT_LE(module.peak_bytes(), shards + full_grads + one_stage + padding) << "step " << step;
     EXPECT_GE(module.peak_bytes(), shards + full_grads + smaller - padding) << "step " << step;
     EXPECT_EQ(module.memory().params, shards / 2) << "full parameters left gathered after step " << step;
@@ -431,11 +519,11 @@ TEST(Trainer, DataTimes2DEqualsSerialUnderEverySpec) {
   for (const char* spec : {"ddp", "zero1", "zero3", "{R,P(2),S}", "hpz:2"})
     expect_serial_steps({std::string("dp2_2d4_") + spec,
                          ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D), spec},
-                        expected, rows);
+                        expected, rows, kTolerance, at::kFloat, /*weights=*/true);
   // Groups come from the grid whatever the order: data ranks adjacent here.
   expect_serial_steps({"dp2_2d4_zero2_data_inner",
                        ParallelConfig().data(2).tensor(4).tensor_mode(TensorMode::k2D).order("dp-tp-sp-pp"), "zero2"},
-                      expected, rows);
+                      expected, rows, kTolerance, at::kFloat, /*weights=*/true);
 }
 
 // Sequence parallelism (every mode, both splits) with data, tensor and
@@ -458,13 +546,15 @@ TEST(Trainer, SequenceParallelEqualsSerial) {
              {"sp2_dp2_tp2_rsa_zigzag", sp(SequenceMode::kRsa, SequenceSplit::kZigzag).data(2).tensor(2),
               "{R,P(2),S}"},
              {"sp2_pp2_tp2_ulysses_zigzag", sp(SequenceMode::kUlysses, SequenceSplit::kZigzag).pipeline(2).tensor(2),
-              "ddp", 2}};
+              "ddp", 2},
+             {"sp4_dp2_ring_zigzag_zero3", sp(SequenceMode::kRing, SequenceSplit::kZigzag).sequence(4).data(2), "zero3"},
+             {"sp2_tp4_ring", sp(SequenceMode::kRing, SequenceSplit::kContiguous).tensor(4), "zero2"}};
   } else {
     GTEST_SKIP() << "runs at 4 and 8 ranks";
   }
   const int64_t rows = 12;
   const SerialSteps expected = serial_steps(rows);
-  for (const Layout& s : cases) expect_serial_steps(s, expected, rows);
+  for (const Layout& s : cases) expect_serial_steps(s, expected, rows, kTolerance, at::kFloat, /*weights=*/true);
 }
 
 TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
@@ -503,9 +593,12 @@ TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
 }
 
 // Saves `source` after 3 steps, then loads it in every layout of `targets`
-// and in one process: the same evaluation loss, and the same loss after one
-// more step from the loaded optimizer state. With `consolidate`, the
-// consolidated file must equal the full weights too.
+// and in one process: the whole state (every parameter, AdamW moment and
+// step count) bit for bit against the saver's own pieces, assembled apart
+// from the checkpoint (saved_state.h); the same evaluation loss, and the
+// same loss after one more step from the loaded optimizer state. With
+// `consolidate`, the consolidated file must equal the full weights and the
+// saver's own tensors too.
 void check_reshard(const Layout& source, const std::vector<Layout>& targets, const std::string& what,
                    bool consolidate) {
   auto world = test::world();
@@ -519,6 +612,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
     return t.narrow(0, data->rank() * n, n);
   };
   double loss_saved = 0, loss_stepped = 0;
+  std::map<std::string, at::Tensor> saved;  // the saver's whole state, assembled apart from the checkpoint
   {
     auto ctx = context::ParallelContext::create(world, source.parallel);
     Model a = make_run(ctx, source, 7, 0.0, true);
@@ -527,6 +621,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
       a.trainer->train_step(x, y);
     }
     a.trainer->save(dir);
+    saved = test::gather_state(a.trainer->state_pieces(), shared_dir(what) + "/saved_state");
     loss_saved = a.trainer->evaluate(local(ctx, x0), local(ctx, y0));
     a.trainer->train_step(local(ctx, x1), local(ctx, y1));
     loss_stepped = a.trainer->evaluate(local(ctx, x0), local(ctx, y0));
@@ -536,6 +631,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
     auto ctx = context::ParallelContext::create(world, s.parallel);
     Model b = make_run(ctx, s, 1234, 0.0, true);
     b.trainer->load(dir);
+    test::expect_state_equal(b.trainer->state_pieces(), saved);
     EXPECT_NEAR(b.trainer->evaluate(local(ctx, x0), local(ctx, y0)), loss_saved, kTolerance * loss_saved);
     b.trainer->train_step(local(ctx, x1), local(ctx, y1));
     EXPECT_NEAR(b.trainer->evaluate(local(ctx, x0), local(ctx, y0)), loss_stepped, kTolerance * loss_stepped);
@@ -546,6 +642,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
   auto ctx = context::ParallelContext::create(self, ParallelConfig());
   Model c = make_run(ctx, {"single", ParallelConfig(), "ddp"}, 1234, 0.0, true);
   c.trainer->load(dir);
+  test::expect_state_equal(c.trainer->state_pieces(), saved);
   EXPECT_NEAR(c.trainer->evaluate(x0, y0), loss_saved, kTolerance * loss_saved);
   if (consolidate) {
     const std::string file = shared_dir("consolidated") + "/model.safetensors";
@@ -560,6 +657,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
       for (const auto& [name, value] : full) {
         ASSERT_TRUE(f.contains(name)) << name;
         EXPECT_TRUE(f.read(name).equal(value)) << name;
+        EXPECT_TRUE(f.read(name).equal(saved.at("model/" + name))) << name << " against the saver's own";
         sums << (first ? "" : ", ") << "\"" << name << "\": " << std::setprecision(17) << value.sum().item<double>();
         first = false;
       }
@@ -619,12 +717,13 @@ TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
                                 "is not named dropout/<layer>/<device>"));
 }
 
-// Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2 and in one process.
+// Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2, pp4 x dp2 and in one process.
 TEST(Checkpoint, ReshardsAcrossConfigurations) {
   if (test::world()->size() != 8) GTEST_SKIP() << "needs 8 ranks";
   check_reshard(layouts(8)[0],
                 {{"dp4_tp2", ParallelConfig().data(4).tensor(2), "zero2"},
                  {"tp4_dp2", ParallelConfig().tensor(4).data(2), "zero3"},
+                 {"pp4_dp2_zero1", ParallelConfig().pipeline(4).data(2), "zero1", 4},
                  {"2d4_dp2", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D).data(2), "zero2"}},
                 "reshard", /*consolidate=*/true);
 }

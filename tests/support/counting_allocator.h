@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -46,6 +47,26 @@ class CountingAllocator : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     peak_ = live_;
     largest_ = 0;
+    watched_peak_ = watched_live_;
+  }
+  // Live bytes in blocks of at least `min_bytes`, and their peak since
+  // reset_peak(): a model's large buffers (parameter and gradient buckets)
+  // apart from the many small activations of a step.
+  void watch(int64_t min_bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    watch_ = min_bytes;
+    watched_live_ = 0;
+    for (const auto& [data, block] : blocks_)
+      if (block.bytes >= watch_) watched_live_ += block.bytes;
+    watched_peak_ = watched_live_;
+  }
+  int64_t watched_live() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return watched_live_;
+  }
+  int64_t watched_peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return watched_peak_;
   }
   c10::Allocator* base() const { return base_; }
   // Allocations made so far: a mark for live_since().
@@ -81,6 +102,7 @@ class CountingAllocator : public c10::Allocator {
     auto it = self.blocks_.find(data);
     if (it == self.blocks_.end()) return;
     self.live_ -= it->second.bytes;
+    if (it->second.bytes >= self.watch_) self.watched_live_ -= it->second.bytes;
     inner = std::move(it->second.inner);
     self.blocks_.erase(it);
   }
@@ -93,6 +115,10 @@ class CountingAllocator : public c10::Allocator {
     live_ += static_cast<int64_t>(n);
     peak_ = std::max(peak_, live_);
     largest_ = std::max(largest_, static_cast<int64_t>(n));
+    if (static_cast<int64_t>(n) >= watch_) {
+      watched_live_ += static_cast<int64_t>(n);
+      watched_peak_ = std::max(watched_peak_, watched_live_);
+    }
     blocks_[data] = Block{std::move(inner), static_cast<int64_t>(n), next_++};
     return {data, data, &release, device};
   }
@@ -100,6 +126,7 @@ class CountingAllocator : public c10::Allocator {
   mutable std::mutex mutex_;
   mutable std::map<void*, Block> blocks_;
   mutable int64_t live_ = 0, peak_ = 0, largest_ = 0;
+  mutable int64_t watch_ = std::numeric_limits<int64_t>::max(), watched_live_ = 0, watched_peak_ = 0;
   mutable uint64_t next_ = 0;
 };
 
