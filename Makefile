@@ -6,6 +6,7 @@
 #                      Debian's fortunes, then plot its metrics (build/demo/)
 #   make test-latest   the same suite against the newest LibTorch from PyPI
 #   make bench         the collective benchmark at 4 ranks, JSON lines
+#   make fuzz          every parser under libFuzzer (clang), FUZZ_RUNS each
 
 BUILD        ?= build
 BUILD_LATEST ?= build-latest
@@ -20,7 +21,7 @@ MPIRUN_ENV    = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
                 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1 \
                 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
-.PHONY: all deps configure build test demo bench test-latest clean
+.PHONY: all deps configure build test demo bench test-latest fuzz clean
 
 all: build
 
@@ -52,6 +53,13 @@ demo: build
 
 bench: build
 	$(MPIRUN_ENV) mpirun -np 4 $(BUILD)/bench/comm_bench --json
+
+# libFuzzer on every parser (docs/fuzzing.md): a clang build in build-fuzz,
+# FUZZ_RUNS executions per target.
+FUZZ_RUNS ?= 1000000
+fuzz: deps
+	scripts/install-deps.sh clang libclang-rt-14-dev
+	scripts/fuzz.sh build-fuzz $(FUZZ_RUNS)
 
 # LibTorch from PyPI's torch wheel, in a virtual environment of its own; the
 # venv's Python (with transformers) runs the Python tests, hf_export_gpt2 included.

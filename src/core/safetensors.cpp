@@ -1,11 +1,13 @@
 #include "tessera/core/safetensors.h"
 
 #include "tessera/core/hash.h"
+#include "tessera/core/json_int.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -94,25 +96,40 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
     TORCH_CHECK(false, "safetensors: ", path_, " has a header that is not JSON: ", e.what());
   }
   data_start_ = static_cast<int64_t>(8 + n);
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      for (auto m = it.value().begin(); m != it.value().end(); ++m) metadata_[m.key()] = m.value().get<std::string>();
-      continue;
+  TORCH_CHECK(header.is_object(), "safetensors: ", path_, " has a header that is not a JSON object");
+  // A header with the right syntax and the wrong types (a shape that is a
+  // string, a dtype that is a number) is as damaged as one that is not JSON.
+  try {
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == "__metadata__") {
+        for (auto m = it.value().begin(); m != it.value().end(); ++m) metadata_[m.key()] = m.value().get<std::string>();
+        continue;
+      }
+      Entry e;
+      e.dtype = dtype_of(it.value().at("dtype").get<std::string>(), path_);
+      e.shape = json_ints(it.value().at("shape"));
+      const auto offsets = json_ints(it.value().at("data_offsets"));
+      const uint64_t data_bytes = size - 8 - n;
+      TORCH_CHECK(offsets.size() == 2 && 0 <= offsets[0] && offsets[0] <= offsets[1] &&
+                      static_cast<uint64_t>(offsets[1]) <= data_bytes,
+                  "safetensors: ", path_, ": tensor '", it.key(), "' lies outside the file (truncated?)");
+      e.begin = offsets[0];
+      e.end = offsets[1];
+      // Its bytes bound the element count, so a product past them is refused
+      // before it can overflow.
+      const bool empty = std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end();
+      int64_t numel = empty ? 0 : 1;
+      for (int64_t d : e.shape) {
+        TORCH_CHECK(d >= 0 && (empty || numel <= (e.end - e.begin) / d), "safetensors: ", path_, ": tensor '", it.key(),
+                    "' has shape ", c10::IntArrayRef(e.shape), ", which its ", e.end - e.begin, " bytes cannot hold");
+        if (!empty) numel *= d;
+      }
+      TORCH_CHECK(numel * static_cast<int64_t>(c10::elementSize(e.dtype)) == e.end - e.begin, "safetensors: ", path_,
+                  ": tensor '", it.key(), "' has ", e.end - e.begin, " bytes for its shape");
+      entries_[it.key()] = e;
     }
-    Entry e;
-    e.dtype = dtype_of(it.value().at("dtype").get<std::string>(), path_);
-    e.shape = it.value().at("shape").get<std::vector<int64_t>>();
-    const auto offsets = it.value().at("data_offsets").get<std::vector<int64_t>>();
-    TORCH_CHECK(
-        offsets.size() == 2 && offsets[0] <= offsets[1] && static_cast<uint64_t>(data_start_ + offsets[1]) <= size,
-        "safetensors: ", path_, ": tensor '", it.key(), "' lies outside the file (truncated?)");
-    e.begin = offsets[0];
-    e.end = offsets[1];
-    int64_t numel = 1;
-    for (int64_t d : e.shape) numel *= d;
-    TORCH_CHECK(numel * static_cast<int64_t>(c10::elementSize(e.dtype)) == e.end - e.begin, "safetensors: ", path_,
-                ": tensor '", it.key(), "' has ", e.end - e.begin, " bytes for its shape");
-    entries_[it.key()] = e;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "safetensors: ", path_, " has a damaged header: ", e.what());
   }
 }
 

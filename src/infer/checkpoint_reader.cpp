@@ -1,5 +1,7 @@
 #include "tessera/infer/checkpoint_reader.h"
 
+#include "tessera/core/json_int.h"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -16,6 +18,33 @@ namespace {
 
 using Json = nlohmann::json;
 namespace fs = std::filesystem;
+
+// The elements of a box of `length` at `offset` in a tensor of `shape` (no
+// offset and shape: a tensor's own extent), checked as an index from outside
+// must be: no negative extent, the box inside the tensor, and no more
+// elements than the checkpoint's files have bytes, which also keeps the
+// product from overflowing and a damaged index from allocating terabytes.
+int64_t check_extent(const std::string& dir, const std::vector<int64_t>& length, const std::vector<int64_t>& offset,
+                     const std::vector<int64_t>& shape, uintmax_t stored, const std::string& name) {
+  const bool piece = !offset.empty();
+  const bool empty = std::find(length.begin(), length.end(), 0) != length.end();
+  int64_t numel = empty ? 0 : 1;
+  for (size_t d = 0; d < length.size(); ++d) {
+    if (piece) {
+      TORCH_CHECK(offset[d] >= 0 && length[d] >= 0 && offset[d] <= shape[d] && length[d] <= shape[d] - offset[d],
+                  "checkpoint ", dir, " is damaged: '", name, "' has a piece at offset ", c10::IntArrayRef(offset),
+                  " of extent ", c10::IntArrayRef(length), " outside its shape ", c10::IntArrayRef(shape));
+    } else {
+      TORCH_CHECK(length[d] >= 0, "checkpoint ", dir, " is damaged: '", name, "' has shape ", c10::IntArrayRef(length));
+    }
+    if (empty) continue;
+    TORCH_CHECK(static_cast<uintmax_t>(length[d]) <= stored / static_cast<uintmax_t>(numel), "checkpoint ", dir,
+                " is damaged: '", name, "' has ", piece ? "a piece of extent " : "shape ", c10::IntArrayRef(length),
+                ", more elements than its files (", stored, " bytes) can hold");
+    numel *= length[d];
+  }
+  return numel;
+}
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -34,9 +63,8 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   if (!fs::is_directory(dir_)) {
     TORCH_CHECK(!fs::is_directory(dir_ + ".old"), "checkpoint ", dir_, " is missing: a save was replacing it when it ",
                 "stopped. The previous checkpoint is in ", dir_, ".old",
-                fs::exists(dir_ + ".partial/index.json")
-                    ? " and the new one, written in full, in " + dir_ + ".partial"
-                    : std::string(" (the new one did not finish)"),
+                fs::exists(dir_ + ".partial/index.json") ? " and the new one, written in full, in " + dir_ + ".partial"
+                                                         : std::string(" (the new one did not finish)"),
                 ". Rename the one to load to ", dir_, ", or save into ", dir_,
                 " again: a save puts the previous checkpoint back first");
     TORCH_CHECK(!fs::is_directory(dir_ + ".partial"), "checkpoint ", dir_, " is incomplete: only ", dir_,
@@ -54,43 +82,68 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "checkpoint ", dir_, ": index.json is not valid JSON: ", e.what());
   }
-  TORCH_CHECK(index.value("format", "") == "tessera-checkpoint", "checkpoint ", dir_,
+  TORCH_CHECK(index.is_object() && index.value("format", "") == "tessera-checkpoint", "checkpoint ", dir_,
               ": index.json is not a tessera checkpoint index");
-  const int version = index.value("version", 0);
-  TORCH_CHECK(version == 1 || version == 2, "checkpoint ", dir_, ": index.json has format version ", version,
-              "; this tessera reads versions 1 and 2 (a newer tessera wrote it: load it with that one)");
-  metadata_ = index["metadata"].dump();
-  world_size_ = index["world_size"].get<int>();
-  for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
-    const std::string path = dir_ + "/" + it.key();
-    TORCH_CHECK(fs::exists(path), "checkpoint ", dir_, " is damaged: ", it.key(), " is missing");
-    const auto size = fs::file_size(path);
-    TORCH_CHECK(size == it.value().get<uintmax_t>(), "checkpoint ", dir_, " is damaged: ", it.key(), " has ", size,
-                " bytes, the index says ", it.value().get<uintmax_t>());
-  }
-  for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
-    Entry e;
-    e.shape = it.value()["shape"].get<std::vector<int64_t>>();
-    for (const auto& p : it.value()["pieces"]) {
-      Piece piece{p["file"].get<std::string>(), p["key"].get<std::string>(), {}, {}, p["flat"][0].get<int64_t>(),
-                  p["flat"][1].get<int64_t>()};
-      if (version >= 2) {
-        piece.offset = p["offset"].get<std::vector<int64_t>>();
-        piece.length = p["length"].get<std::vector<int64_t>>();
-      } else {  // one sharded dimension, or dim -1 for the whole tensor
-        piece.offset.assign(e.shape.size(), 0);
-        piece.length = e.shape;
-        const auto dim = p["dim"].get<int64_t>();
-        if (dim >= 0) {
-          piece.offset.at(dim) = p["offset"].get<int64_t>();
-          piece.length.at(dim) = p["length"].get<int64_t>();
-        }
-      }
-      TORCH_CHECK(piece.offset.size() == e.shape.size() && piece.length.size() == e.shape.size(), "checkpoint ",
-                  dir_, ": a piece of '", it.key(), "' has a region of another rank than its tensor");
-      e.pieces.push_back(std::move(piece));
+  // The right syntax with the wrong types (a size that is a string, a piece
+  // without its key) is a damaged index, said so, like one that is not JSON.
+  try {
+    const int version = index.value("version", 0);
+    TORCH_CHECK(version == 1 || version == 2, "checkpoint ", dir_, ": index.json has format version ", version,
+                "; this tessera reads versions 1 and 2 (a newer tessera wrote it: load it with that one)");
+    metadata_ = index.value("metadata", Json::object()).dump();
+    world_size_ = static_cast<int>(json_int(index.at("world_size")));
+    std::set<std::string> files;
+    uintmax_t stored = 0;  // bytes in the rank files: no tensor holds more elements
+    for (auto it = index.at("files").begin(); it != index.at("files").end(); ++it) {
+      TORCH_CHECK(!it.key().empty() && it.key().find('/') == std::string::npos && it.key() != "." && it.key() != "..",
+                  "checkpoint ", dir_, " is damaged: index.json names a file '", it.key(),
+                  "' that is not a plain name in the checkpoint's directory");
+      files.insert(it.key());
+      const std::string path = dir_ + "/" + it.key();
+      TORCH_CHECK(fs::exists(path), "checkpoint ", dir_, " is damaged: ", it.key(), " is missing");
+      const auto size = fs::file_size(path);
+      const int64_t said = json_int(it.value());
+      TORCH_CHECK(said >= 0 && size == static_cast<uintmax_t>(said), "checkpoint ", dir_, " is damaged: ", it.key(),
+                  " has ", size, " bytes, the index says ", said);
+      stored += size;
     }
-    tensors_[it.key()] = std::move(e);
+    for (auto it = index.at("tensors").begin(); it != index.at("tensors").end(); ++it) {
+      Entry e;
+      e.shape = json_ints(it.value().at("shape"));
+      check_extent(dir_, e.shape, {}, {}, stored, it.key());
+      for (const auto& p : it.value().at("pieces")) {
+        Piece piece{p.at("file").get<std::string>(), p.at("key").get<std::string>(), {}, {},
+                    json_int(p.at("flat").at(0)),    json_int(p.at("flat").at(1))};
+        if (version >= 2) {
+          piece.offset = json_ints(p.at("offset"));
+          piece.length = json_ints(p.at("length"));
+        } else {  // one sharded dimension, or dim -1 for the whole tensor
+          piece.offset.assign(e.shape.size(), 0);
+          piece.length = e.shape;
+          const auto dim = json_int(p.at("dim"));
+          TORCH_CHECK(dim < static_cast<int64_t>(e.shape.size()), "checkpoint ", dir_, ": a piece of '", it.key(),
+                      "' is cut along dimension ", dim, " of a tensor of ", e.shape.size());
+          if (dim >= 0) {
+            piece.offset.at(dim) = json_int(p.at("offset"));
+            piece.length.at(dim) = json_int(p.at("length"));
+          }
+        }
+        TORCH_CHECK(piece.offset.size() == e.shape.size() && piece.length.size() == e.shape.size(), "checkpoint ", dir_,
+                    ": a piece of '", it.key(), "' has a region of another rank than its tensor");
+        TORCH_CHECK(files.count(piece.file), "checkpoint ", dir_, ": a piece of '", it.key(), "' is in '", piece.file,
+                    "', which index.json does not list among its files");
+        const int64_t region = check_extent(dir_, piece.length, piece.offset, e.shape, stored, it.key());
+        TORCH_CHECK(piece.flat_begin >= 0 &&
+                        (piece.flat_end == -1 || (piece.flat_begin <= piece.flat_end && piece.flat_end <= region)),
+                    "checkpoint ", dir_, ": a piece of '", it.key(), "' has the flat range [", piece.flat_begin, ", ",
+                    piece.flat_end, ") of a region of ", region, " elements");
+        e.pieces.push_back(std::move(piece));
+      }
+      tensors_[it.key()] = std::move(e);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "checkpoint ", dir_, " is damaged: index.json does not have the layout of a tessera index (",
+                e.what(), ")");
   }
 }
 

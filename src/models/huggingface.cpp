@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <set>
+#include <stdexcept>
+#include <type_traits>
 
 namespace tessera {
 namespace models {
@@ -49,6 +51,15 @@ const std::set<std::string> kMetadata = {
 const std::set<std::string> kRunDecided = {"attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                                            "summary_first_dropout"};
 
+// A JSON value as T. An integer key must hold a JSON integer: a float such
+// as 1e77 has no int64 value (converting it would be undefined).
+template <typename T>
+T as(const Json& v) {
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>)
+    if (!v.is_number_integer()) throw std::invalid_argument("not an integer");
+  return v.get<T>();
+}
+
 // Reads config.json's keys, remembering which were handled.
 class Keys {
  public:
@@ -65,7 +76,7 @@ class Keys {
     const Json* v = get(key);
     if (v == nullptr) return fallback;
     try {
-      return v->get<T>();
+      return as<T>(*v);
     } catch (const std::exception&) {
       TORCH_CHECK(false, where_, ": \"", key, "\" is ", v->dump(), ", not a value of the expected type");
     }
@@ -83,7 +94,7 @@ class Keys {
     if (v == nullptr) return;
     bool equal = false;
     try {
-      equal = v->get<T>() == expected;
+      equal = as<T>(*v) == expected;
     } catch (const std::exception&) {
     }
     TORCH_CHECK(equal, where_, ": \"", key, "\" is ", v->dump(), ", which tessera does not carry out for ", arch_,
@@ -264,6 +275,12 @@ void HFConfig::check_sequence(int64_t seq) const {
               ") is longer than the model's ", model.context(), " learned positions; lower --seq");
 }
 
+namespace {
+
+HFConfig read_hf_config(const Json& j, const std::string& text, const std::string& where);
+
+}  // namespace
+
 HFConfig hf_config_from_json(const std::string& text, const std::string& where) {
   Json j;
   try {
@@ -272,6 +289,18 @@ HFConfig hf_config_from_json(const std::string& text, const std::string& where) 
     TORCH_CHECK(false, where, " is not JSON: ", e.what());
   }
   TORCH_CHECK(j.is_object(), where, ": a JSON object expected");
+  // A key of the wrong type ("model_type": 5) is refused as a key with a
+  // value tessera cannot read, naming the file.
+  try {
+    return read_hf_config(j, text, where);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, where, ": a value has the wrong type (", e.what(), ")");
+  }
+}
+
+namespace {
+
+HFConfig read_hf_config(const Json& j, const std::string& text, const std::string& where) {
   std::string name;
   if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty()) {
     TORCH_CHECK(j["architectures"].size() == 1, where, ": \"architectures\" lists ", j["architectures"].dump(),
@@ -291,6 +320,8 @@ HFConfig hf_config_from_json(const std::string& text, const std::string& where) 
   out.model.check();
   return out;
 }
+
+}  // namespace
 
 std::string hf_config_json(HFArchitecture a, const GPTConfig& c, const std::string& original,
                            const std::string& dtype) {

@@ -20,6 +20,10 @@ int parse_positive(const std::string& digits, const std::string& context) {
   TORCH_CHECK(
       !digits.empty() && std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }),
       "sharding: expected a positive integer in '", context, "', got '", digits, "'");
+  // Nine digits always fit an int; a group of a billion ranks or more is no
+  // group a job has.
+  TORCH_CHECK(digits.size() <= 9, "sharding: the group size ", digits.substr(0, 20), digits.size() > 20 ? "..." : "",
+              " in '", context.substr(0, 80), "' is larger than any job");
   return std::stoi(digits);
 }
 

@@ -1,5 +1,7 @@
 #include "tessera/planner/cluster.h"
 
+#include "tessera/core/json_int.h"
+
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -16,10 +18,9 @@ namespace {
 using Json = nlohmann::json;
 
 const std::vector<comm::OpType>& collective_ops() {
-  static const std::vector<comm::OpType> ops = {comm::OpType::kAllReduce,     comm::OpType::kBroadcast,
-                                                comm::OpType::kReduce,        comm::OpType::kAllGather,
-                                                comm::OpType::kReduceScatter, comm::OpType::kAllToAll,
-                                                comm::OpType::kSend};
+  static const std::vector<comm::OpType> ops = {
+      comm::OpType::kAllReduce,     comm::OpType::kBroadcast, comm::OpType::kReduce, comm::OpType::kAllGather,
+      comm::OpType::kReduceScatter, comm::OpType::kAllToAll,  comm::OpType::kSend};
   return ops;
 }
 
@@ -122,8 +123,10 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
                   "' must be an integer >= 1, got ", value.dump());
       (key == "nodes" ? c.nodes : c.gpus_per_node) = value.get<int>();
     } else if (key == "compute_units") {
-      TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0, "cluster: 'compute_units' must be an "
-                  "integer >= 0 (0: one per rank), got ", value.dump());
+      TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0,
+                  "cluster: 'compute_units' must be an "
+                  "integer >= 0 (0: one per rank), got ",
+                  value.dump());
       c.compute_units = value.get<int>();
     } else if (key == "block_overhead_us") {
       c.block_overhead = number(value, key) * 1e-6;
@@ -148,7 +151,8 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
       links_from_json(value, key, c.inter_default, c.inter);
     } else {
       TORCH_CHECK(false, "cluster: unknown key '", key,
-                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, achieved_tflops, "
+                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
+                  "achieved_tflops, "
                   "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, intra, inter");
     }
   }
@@ -191,21 +195,34 @@ ClusterDesc ClusterDesc::from_comm_bench(const std::string& jsonl, ClusterDesc b
   std::istringstream lines(jsonl);
   std::string line;
   int ranks = 0;
+  int line_number = 0;
   while (std::getline(lines, line)) {
+    ++line_number;
     if (line.empty() || line[0] != '{') continue;
     Json j = Json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("op") || !j.contains("busbw_gbps")) continue;
-    const comm::OpType op = op_from_name(j["op"].get<std::string>());
-    const int64_t bytes = j["bytes"].get<int64_t>();
-    ranks = j.value("ranks", ranks);
-    Seen& s = seen[op];
-    if (s.small_bytes < 0 || bytes < s.small_bytes) {
-      s.small_bytes = bytes;
-      s.small_us = j["time_us"].get<double>();
-    }
-    if (bytes > s.large_bytes) {
-      s.large_bytes = bytes;
-      s.large_busbw = j["busbw_gbps"].get<double>();
+    if (j.is_discarded() || !j.is_object() || !j.contains("op") || !j.contains("busbw_gbps")) continue;
+    // A measurement line with a value missing or of the wrong type is
+    // refused, not skipped: the plan would rest on the others alone.
+    try {
+      const comm::OpType op = op_from_name(j.at("op").get<std::string>());
+      const int64_t bytes = json_int(j.at("bytes"));
+      const double us = j.at("time_us").get<double>(), busbw = j.at("busbw_gbps").get<double>();
+      if (j.contains("ranks")) ranks = static_cast<int>(json_int(j.at("ranks")));
+      TORCH_CHECK(bytes > 0 && std::isfinite(us) && us >= 0 && std::isfinite(busbw) && busbw >= 0 && ranks >= 0,
+                  "cluster: comm_bench line ", line_number, " has bytes ", bytes, ", time_us ", us, ", busbw_gbps ",
+                  busbw, " and ranks ", ranks, ": sizes must be positive and times, rates and ranks not negative");
+      Seen& s = seen[op];
+      if (s.small_bytes < 0 || bytes < s.small_bytes) {
+        s.small_bytes = bytes;
+        s.small_us = us;
+      }
+      if (bytes > s.large_bytes) {
+        s.large_bytes = bytes;
+        s.large_busbw = busbw;
+      }
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "cluster: comm_bench line ", line_number, " is not a line comm_bench --json writes (",
+                  e.what(), "): ", line.substr(0, 200));
     }
   }
   TORCH_CHECK(!seen.empty(), "cluster: no comm_bench lines (run comm_bench --json)");
@@ -214,8 +231,8 @@ ClusterDesc ClusterDesc::from_comm_bench(const std::string& jsonl, ClusterDesc b
     TORCH_CHECK(s.large_busbw > 0, "cluster: comm_bench reports no bandwidth for ", comm::op_type_name(op));
     base.intra[op] = Link{s.large_busbw * 1e9, s.small_us * 1e-6 / std::max(1.0, latency_steps(op, ranks))};
   }
-  base.intra_default = base.intra.count(comm::OpType::kAllReduce) ? base.intra.at(comm::OpType::kAllReduce)
-                                                                   : base.intra.begin()->second;
+  base.intra_default =
+      base.intra.count(comm::OpType::kAllReduce) ? base.intra.at(comm::OpType::kAllReduce) : base.intra.begin()->second;
   if (ranks > 0) base.gpus_per_node = std::max(base.gpus_per_node, ranks);
   return base;
 }
