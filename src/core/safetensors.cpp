@@ -1,7 +1,7 @@
 #include "tessera/core/safetensors.h"
 
 #include "tessera/core/hash.h"
-#include "tessera/core/json_int.h"
+#include "core/json_int.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

@@ -1,6 +1,6 @@
 #include "tessera/infer/checkpoint_reader.h"
 
-#include "tessera/core/json_int.h"
+#include "core/json_int.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -63,8 +63,9 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   if (!fs::is_directory(dir_)) {
     TORCH_CHECK(!fs::is_directory(dir_ + ".old"), "checkpoint ", dir_, " is missing: a save was replacing it when it ",
                 "stopped. The previous checkpoint is in ", dir_, ".old",
-                fs::exists(dir_ + ".partial/index.json") ? " and the new one, written in full, in " + dir_ + ".partial"
-                                                         : std::string(" (the new one did not finish)"),
+                fs::exists(dir_ + ".partial/index.json")
+                    ? " and the new one, written in full, in " + dir_ + ".partial"
+                    : std::string(" (the new one did not finish)"),
                 ". Rename the one to load to ", dir_, ", or save into ", dir_,
                 " again: a save puts the previous checkpoint back first");
     TORCH_CHECK(!fs::is_directory(dir_ + ".partial"), "checkpoint ", dir_, " is incomplete: only ", dir_,

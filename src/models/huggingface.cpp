@@ -1,11 +1,12 @@
 #include "tessera/models/huggingface.h"
 
+#include "core/json_int.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <set>
-#include <stdexcept>
 #include <type_traits>
 
 namespace tessera {
@@ -51,12 +52,10 @@ const std::set<std::string> kMetadata = {
 const std::set<std::string> kRunDecided = {"attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                                            "summary_first_dropout"};
 
-// A JSON value as T. An integer key must hold a JSON integer: a float such
-// as 1e77 has no int64 value (converting it would be undefined).
+// A JSON value as T; an integer key must hold a JSON integer (json_int).
 template <typename T>
 T as(const Json& v) {
-  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>)
-    if (!v.is_number_integer()) throw std::invalid_argument("not an integer");
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) return static_cast<T>(json_int(v));
   return v.get<T>();
 }
 

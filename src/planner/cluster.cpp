@@ -1,6 +1,6 @@
 #include "tessera/planner/cluster.h"
 
-#include "tessera/core/json_int.h"
+#include "core/json_int.h"
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -18,9 +18,10 @@ namespace {
 using Json = nlohmann::json;
 
 const std::vector<comm::OpType>& collective_ops() {
-  static const std::vector<comm::OpType> ops = {
-      comm::OpType::kAllReduce,     comm::OpType::kBroadcast, comm::OpType::kReduce, comm::OpType::kAllGather,
-      comm::OpType::kReduceScatter, comm::OpType::kAllToAll,  comm::OpType::kSend};
+  static const std::vector<comm::OpType> ops = {comm::OpType::kAllReduce,     comm::OpType::kBroadcast,
+                                                comm::OpType::kReduce,        comm::OpType::kAllGather,
+                                                comm::OpType::kReduceScatter, comm::OpType::kAllToAll,
+                                                comm::OpType::kSend};
   return ops;
 }
 
@@ -123,10 +124,8 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
                   "' must be an integer >= 1, got ", value.dump());
       (key == "nodes" ? c.nodes : c.gpus_per_node) = value.get<int>();
     } else if (key == "compute_units") {
-      TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0,
-                  "cluster: 'compute_units' must be an "
-                  "integer >= 0 (0: one per rank), got ",
-                  value.dump());
+      TORCH_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0, "cluster: 'compute_units' must be an "
+                  "integer >= 0 (0: one per rank), got ", value.dump());
       c.compute_units = value.get<int>();
     } else if (key == "block_overhead_us") {
       c.block_overhead = number(value, key) * 1e-6;
@@ -151,8 +150,7 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
       links_from_json(value, key, c.inter_default, c.inter);
     } else {
       TORCH_CHECK(false, "cluster: unknown key '", key,
-                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
-                  "achieved_tflops, "
+                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, achieved_tflops, "
                   "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, intra, inter");
     }
   }
@@ -231,8 +229,8 @@ ClusterDesc ClusterDesc::from_comm_bench(const std::string& jsonl, ClusterDesc b
     TORCH_CHECK(s.large_busbw > 0, "cluster: comm_bench reports no bandwidth for ", comm::op_type_name(op));
     base.intra[op] = Link{s.large_busbw * 1e9, s.small_us * 1e-6 / std::max(1.0, latency_steps(op, ranks))};
   }
-  base.intra_default =
-      base.intra.count(comm::OpType::kAllReduce) ? base.intra.at(comm::OpType::kAllReduce) : base.intra.begin()->second;
+  base.intra_default = base.intra.count(comm::OpType::kAllReduce) ? base.intra.at(comm::OpType::kAllReduce)
+                                                                   : base.intra.begin()->second;
   if (ranks > 0) base.gpus_per_node = std::max(base.gpus_per_node, ranks);
   return base;
 }

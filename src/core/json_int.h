@@ -3,8 +3,8 @@
 // checkpoint indexes, comm_bench lines). nlohmann's get<int64_t>() converts a
 // float such as 1e77 by a cast whose result is undefined; these refuse
 // anything but a JSON integer with the type_error any other wrong type
-// raises, so the caller's handler names the file. For library sources only:
-// it includes nlohmann/json, which the installed package does not carry.
+// raises, so the caller's handler names the file. Private to the library
+// (src/ is on its private include path): nlohmann/json is not installed.
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
