@@ -152,7 +152,7 @@ int run(const Args& a) {
         load_s = (bench::now_ms() - t0) / 1e3;
       }
       if (rank == 0) {
-        std::filesystem::remove_all(dir);
+        tessera::remove_tree(dir);
         fmt::print(
             "{{\"bench\": \"elastic\", \"spec\": \"{}\", \"from_dp\": {}, \"to_dp\": {}, \"parameters\": {:.0f}, "
             "\"state_bytes_formula\": {:.0f}, \"live_bytes_moved\": {}, \"live_bytes_kept\": {}, "

@@ -24,6 +24,7 @@
 // --tp), so its options are parsed without examples/example_main.h's frame,
 // which starts MPI.
 #include <tessera/core/cli.h>
+#include <tessera/core/remove_tree.h>
 #include <tessera/core/safetensors.h>
 
 #include <ATen/ATen.h>
@@ -172,7 +173,7 @@ int main_body(const Args& a) {
                        {"max_logit_difference", j["max_logit_difference_vs_in_memory"]}};
   }
   fmt::print("{}\n", summary.dump());
-  if (a.keep == 0) fs::remove_all(a.dir);
+  if (a.keep == 0) tessera::remove_tree(a.dir);
   return 0;
 }
 

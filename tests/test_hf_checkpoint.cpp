@@ -37,7 +37,7 @@ using Weights = std::map<std::string, at::Tensor>;
 std::string scratch(const std::string& name) {
   const std::string dir = (fs::temp_directory_path() / ("tessera-hf-test-" + name)).string();
   if (test::world()->rank() == 0) {
-    fs::remove_all(dir);
+    remove_tree(dir);
     fs::create_directories(dir);
   }
   test::world()->barrier()->wait();

@@ -231,7 +231,7 @@ void expect_training_equal(const LayoutCase& lc, const Weights& hf) {
                 std::max(kRelTolerance, 10 * conditioning))
           << "weight " << name << " after " << kSteps << " steps (the fp32 reference: " << conditioning << ")";
     }
-    std::filesystem::remove_all(dir);
+    remove_tree(dir);
   }
   test::world()->barrier()->wait();
 }

@@ -49,7 +49,7 @@ std::string shared_dir(const std::string& name) {
   auto w = test::world();
   const std::string dir = ::testing::TempDir() + "tessera_streamed_" + name + "_np" + std::to_string(w->size());
   if (w->rank() == 0) {
-    fs::remove_all(dir);
+    remove_tree(dir);
     fs::create_directories(dir);
   }
   w->barrier()->wait();
@@ -372,7 +372,7 @@ TEST(StreamedGPT, AnOutputFileOnAFullDiskLeavesTheEarlierOne) {
   } else {
     ::setrlimit(RLIMIT_FSIZE, &old_limit);
   }
-  fs::remove_all(dir);
+  remove_tree(dir);
 }
 
 }  // namespace

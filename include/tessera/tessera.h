@@ -4,6 +4,7 @@
 // compile time.
 #include "tessera/config.h"
 #include "tessera/core/atomic_file.h"
+#include "tessera/core/remove_tree.h"
 #include "tessera/core/cli.h"
 #include "tessera/core/compat.h"
 #include "tessera/core/dtype.h"

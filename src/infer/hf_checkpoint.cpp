@@ -2,6 +2,7 @@
 
 #include "tessera/comm/agree.h"
 #include "tessera/core/atomic_file.h"
+#include "tessera/core/remove_tree.h"
 #include "tessera/core/safetensors.h"
 #include "tessera/infer/checkpoint_reader.h"
 
@@ -26,6 +27,12 @@ namespace {
 constexpr const char* kModelPrefix = "model/";
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+void remove_tree_or_throw(const std::string& path) {
+  std::string error;
+  TORCH_CHECK(remove_tree(path, &error), "Hugging Face export: cannot remove ", path, ": ", error,
+              "; remove it by hand or choose another output directory");
+}
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path);
@@ -342,10 +349,10 @@ void finish_export(const ExportModel& m, const std::vector<std::vector<std::stri
   // An earlier directory is moved aside, the finished one moved in, the
   // earlier one removed: OUT_DIR is never a partial export.
   const std::string old = out_dir + ".old";
-  fs::remove_all(old);
+  remove_tree_or_throw(old);
   if (fs::exists(out_dir)) fs::rename(out_dir, old);
   fs::rename(staging, out_dir);
-  fs::remove_all(old);
+  remove_tree_or_throw(old);
 }
 
 }  // namespace
@@ -384,7 +391,7 @@ HFExportStats export_hf(const std::string& checkpoint_dir, const std::string& ou
   const std::string staging = out_dir + ".partial";
   comm::on_every_rank(world, "Hugging Face export (preparing " + staging + ")", [&] {
     if (world->rank() != 0) return;
-    fs::remove_all(staging);
+    remove_tree_or_throw(staging);
     fs::create_directories(staging);
   });
   // Shard k by rank k mod N: one shard in memory at a time.

@@ -1,6 +1,7 @@
 #include "tessera/train/checkpoint.h"
 
 #include "tessera/core/atomic_file.h"
+#include "tessera/core/remove_tree.h"
 #include "tessera/core/safetensors.h"
 
 #include <ATen/ATen.h>
@@ -68,7 +69,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     // A save killed between its two renames (Note [Atomic checkpoints]):
     // the previous checkpoint goes back to DIR before this save replaces it.
     if (!fs::exists(dir) && fs::is_directory(old)) fs::rename(old, dir);
-    fs::remove_all(partial, ec);
+    remove_tree(partial);
     fs::create_directories(partial, ec);
   }
   // Rank 0's error (an unwritable directory) reaches every rank.
@@ -147,12 +148,11 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     Json index = {{"format", "tessera-checkpoint"}, {"version", 2},   {"world_size", world->size()},
                   {"metadata", metadata},           {"files", files}, {"tensors", tensors}};
     write_file_atomically(partial + "/index.json", index.dump(1));
-    std::error_code ec;
-    fs::remove_all(old, ec);
+    remove_tree(old);
     if (fs::exists(dir)) fs::rename(dir, old);
     if (options.before_move_in()) options.before_move_in()();
     fs::rename(partial, dir);
-    fs::remove_all(old, ec);
+    remove_tree(old);
   }
   control->barrier();
 }

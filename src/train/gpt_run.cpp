@@ -1,6 +1,7 @@
 #include "tessera/train/gpt_run.h"
 
 #include "tessera/context/hosts.h"
+#include "tessera/core/remove_tree.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/optim/by_name.h"
 #include "tessera/train/checkpoint.h"
@@ -140,8 +141,7 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
 
 GPTRun::~GPTRun() {
   // Rank 0 made it and reads it last (consolidate_and_sample).
-  std::error_code ignored;
-  if (!temporary_.empty() && world_->rank() == 0) fs::remove_all(temporary_, ignored);
+  if (!temporary_.empty() && world_->rank() == 0) remove_tree(temporary_);
 }
 
 std::optional<MigrationStats> GPTRun::adapt(int64_t step) {

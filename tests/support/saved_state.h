@@ -54,7 +54,7 @@ inline std::map<std::string, at::Tensor> gather_state(const std::vector<train::T
                                                       const std::string& dir) {
   auto w = world();
   if (w->rank() == 0) {
-    std::filesystem::remove_all(dir);
+    remove_tree(dir);
     std::filesystem::create_directories(dir);
   }
   w->barrier()->wait();

@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the multi-rank tests.
 #include "tessera/comm/factory.h"
+#include "tessera/core/remove_tree.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -41,6 +42,38 @@ inline comm::CommunicatorPtr world() {
 inline at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(shape, gen, at::TensorOptions().dtype(dtype));
+}
+
+// The device the tensor suites run on: TESSERA_TEST_DEVICE ("cpu" unless
+// set; scripts/gpu-check.sh sets "cuda"). Ranks may share one GPU: the MPI
+// backend stages CUDA buffers through host memory. TF32 is turned off on
+// CUDA, since the comparisons are fp32 at 1e-5. Suites that read it say so
+// in their first comment; the others run on the CPU whatever it says
+// (docs/gpu-checks.md lists which).
+inline c10::Device device() {
+  static const c10::Device d = [] {
+    const char* env = std::getenv("TESSERA_TEST_DEVICE");
+    c10::Device made(env != nullptr && *env != '\0' ? env : "cpu");
+    if (made.is_cuda()) {
+      TORCH_CHECK(torch::cuda::is_available(), "TESSERA_TEST_DEVICE=", made.str(),
+                  " but LibTorch sees no CUDA device: unset it or run where a GPU is");
+      at::globalContext().setAllowTF32CuBLAS(false);
+      at::globalContext().setAllowTF32CuDNN(false);
+    }
+    return made;
+  }();
+  return d;
+}
+
+// seeded_randn on the test device: the same values on every device, drawn
+// on the CPU and copied.
+inline at::Tensor device_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
+  return seeded_randn(shape, seed, dtype).to(device());
+}
+
+// Options for tensors made on the test device.
+inline at::TensorOptions device_options(at::ScalarType dtype = at::kFloat) {
+  return at::TensorOptions().dtype(dtype).device(device());
 }
 
 // ||actual - expected|| / ||expected||: the error measure of the
