@@ -174,8 +174,8 @@ struct MoEImpl : torch::nn::Module {
         at::gelu(torch::einsum("th,efh->etf", {t, c_fc->weight}) + c_fc->bias.unsqueeze(1));
     const torch::Tensor y = torch::einsum("etf,ehf->eth", {hid, c_proj->weight}) + c_proj->bias.unsqueeze(1);
     // f_i: share of the T·k assignments routed to i; P_i: mean probability.
-    const torch::Tensor f = torch::zeros({experts}).index_add(
-        0, std::get<1>(top).reshape({-1}), torch::ones({t.size(0) * top_k}));
+    const torch::Tensor f = torch::zeros({experts}, t.options()).index_add(
+        0, std::get<1>(top).reshape({-1}), torch::ones({t.size(0) * top_k}, t.options()));
     aux = experts * (f / static_cast<double>(t.size(0) * top_k) * probs.mean(0)).sum();
     const torch::Tensor lse = torch::logsumexp(logits, -1);
     z = (lse * lse).mean();

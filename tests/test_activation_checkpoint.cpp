@@ -5,6 +5,7 @@
 // tessera's GPT at tensor size = world (1D and sequence-parallel) and through
 // the pipeline executor; and the activation memory it saves, counted by a CPU
 // allocator that records live bytes.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/context/parallel_context.h"
@@ -64,7 +65,9 @@ TORCH_MODULE(Net);
 
 Net make_net(uint64_t dropout_seed = 11) {
   torch::manual_seed(0);
-  return Net(dropout_seed);
+  Net net(dropout_seed);
+  net->to(test::device());
+  return net;
 }
 
 // Everything a training step leaves behind, for comparison.
@@ -84,15 +87,15 @@ StepResult run_steps(Net net, Mode mode) {
   StepResult r;
   torch::manual_seed(42);
   for (int step = 0; step < 2; ++step) {
-    at::Tensor x = test::seeded_randn({5, 6}, 100 + step).requires_grad_();
+    at::Tensor x = test::device_randn({5, 6}, 100 + step).requires_grad_();
     at::Tensor out = net->forward(x, mode);
-    (out * test::seeded_randn({5, 6}, 200 + step)).sum().backward();
+    (out * test::device_randn({5, 6}, 200 + step)).sum().backward();
     r.tensors.push_back(out.detach());
     r.tensors.push_back(x.grad());
     for (const auto& p : net->parameters()) r.tensors.push_back(p.grad().clone());
   }
-  r.tensors.push_back(torch::rand({4}));
-  r.tensors.push_back(net->drop->forward(at::ones({16})));
+  r.tensors.push_back(torch::rand({4}, test::device_options()));  // the default stream torch dropout drew from
+  r.tensors.push_back(net->drop->forward(at::ones({16}, test::device_options())));
   return r;
 }
 
@@ -118,7 +121,7 @@ TEST(ActivationCheckpoint, FunctionOverloadReplaysTheDefaultGenerator) {
 // parameter gradients after. Each pass recomputes; .grad is written once.
 TEST(ActivationCheckpoint, SplitBackwardGivesEachGradientOnce) {
   Net plain = make_net(), ckpt = make_net();
-  at::Tensor x = test::seeded_randn({5, 6}, 1);
+  at::Tensor x = test::device_randn({5, 6}, 1);
   torch::manual_seed(3);
   at::Tensor xa = x.clone().requires_grad_();
   plain->forward(xa, Mode::kPlain).sum().backward();
@@ -142,7 +145,7 @@ TEST(ActivationCheckpoint, InputWithoutGradStillGivesParameterGradients) {
       plain->drop->options.p(0.0);
       ckpt->drop->options.p(0.0);
     }
-    at::Tensor x = test::seeded_randn({5, 6}, 1);
+    at::Tensor x = test::device_randn({5, 6}, 1);
     torch::manual_seed(3);
     plain->forward(x, Mode::kPlain).sum().backward();
     torch::manual_seed(3);
@@ -157,7 +160,7 @@ TEST(ActivationCheckpoint, InputWithoutGradStillGivesParameterGradients) {
 
 TEST(ActivationCheckpoint, NoGradAndEvalAreThePlainCall) {
   Net net = make_net();
-  at::Tensor x = test::seeded_randn({5, 6}, 1).requires_grad_();
+  at::Tensor x = test::device_randn({5, 6}, 1).requires_grad_();
   {
     torch::NoGradGuard no_grad;
     EXPECT_FALSE(net->forward(x, Mode::kModule).requires_grad());
@@ -168,8 +171,8 @@ TEST(ActivationCheckpoint, NoGradAndEvalAreThePlainCall) {
 
 TEST(ActivationCheckpoint, ForeignLeafIsAnErrorNotALostGradient) {
   Net net = make_net();
-  at::Tensor scale = at::ones({6}).requires_grad_();
-  at::Tensor x = test::seeded_randn({5, 6}, 1).requires_grad_();
+  at::Tensor scale = at::ones({6}, test::device_options()).requires_grad_();
+  at::Tensor x = test::device_randn({5, 6}, 1).requires_grad_();
   at::Tensor out = nn::checkpoint(
       *net->fc1, [&](const at::Tensor& in) { return net->fc1(in * scale); }, x);
   EXPECT_ERROR_CONTAINS(out.sum().backward(), "is not a parameter of the module");
@@ -189,7 +192,7 @@ double sharded_losses_and_params(const std::string& spec, Mode mode, std::vector
   double losses = 0.0;
   for (int step = 0; step < 3; ++step) {
     opt.zero_grad();
-    at::Tensor x = test::seeded_randn({4, 6}, 1000 * world->rank() + step);
+    at::Tensor x = test::device_randn({4, 6}, 1000 * world->rank() + step);
     at::Tensor loss = sharded->run([&] { return net->forward(x, mode).pow(2).mean(); });
     loss.backward();
     opt.step();
@@ -223,7 +226,7 @@ models::GPTConfig gpt_config(bool checkpoint) {
 
 at::Tensor token_ids(int64_t rows, int64_t seq, uint64_t seed, int64_t vocab) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(vocab, {rows, seq}, gen, at::kLong);
+  return at::randint(vocab, {rows, seq}, gen, at::kLong).to(test::device());
 }
 
 struct GPTRun {
@@ -234,6 +237,7 @@ struct GPTRun {
 GPTRun gpt_run(const models::GPTConfig& c, bool sp) {
   torch::manual_seed(0);
   models::GPT gpt(c, nn::make_1d_factory(test::world(), sp, 1234, 5678));
+  gpt->to(test::device());
   GPTRun run;
   for (int step = 0; step < 2; ++step) {
     at::Tensor loss = gpt->loss(gpt->forward(token_ids(2, 16, 1 + step, c.vocab())), token_ids(2, 16, 9 + step, c.vocab()));
@@ -281,6 +285,7 @@ TEST(GPTCheckpointPipeline, EveryScheduleEqualsThePlainPipeline) {
       const auto c = gpt_config(checkpoint);
       torch::manual_seed(0);
       models::GPT gpt(c, nn::make_1d_factory(ctx->comm(context::ParallelMode::kTensor), false, 1234, 5678));
+      gpt->to(test::device());
       parallel::PipelineExecutor pipe(
           gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
           parallel::PipelineOptions().schedule(kind).microbatches(2 * p));
@@ -309,6 +314,7 @@ ActivationBytes measure(bool checkpoint, test::CountingAllocator& counter) {
   c.context(128);
   torch::manual_seed(0);
   models::GPT gpt(c, nn::make_1d_factory(test::world(), false, 1234, 5678));
+  gpt->to(test::device());
   const at::Tensor ids = token_ids(4, 128, 1, c.vocab()), targets = token_ids(4, 128, 2, c.vocab());
   gpt->loss(gpt->forward(ids), targets).backward();  // allocates .grad: not activation memory
   for (auto& p : gpt->parameters()) p.mutable_grad().zero_();
@@ -325,6 +331,7 @@ ActivationBytes measure(bool checkpoint, test::CountingAllocator& counter) {
 }
 
 TEST(ActivationCheckpointMemory, PeakActivationBytesPerRankAreLower) {
+  if (test::device().is_cuda()) GTEST_SKIP() << "counts CPU allocations";
   if (gpt_config(false).heads() % test::world()->size() != 0) GTEST_SKIP() << "the tiny GPT's 4 heads do not split";
   ActivationBytes plain, ckpt;
   {

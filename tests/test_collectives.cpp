@@ -249,5 +249,22 @@ TEST(Work, DroppedHandleCompletesTheOperation) {
   EXPECT_TRUE(at::equal(t, at::full({16}, static_cast<float>(world->size()))));
 }
 
+// On the test device (TESSERA_TEST_DEVICE): a CUDA tensor goes through host
+// staging, and the root's own tensor must come back untouched, version
+// included, since autograd refuses a saved tensor changed in place (SUMMA
+// broadcasts attention outputs that the fused attention saved).
+TEST(CollectivesOnDevice, BroadcastLeavesTheRootsTensorAndVersionAlone) {
+  auto world = test::world();
+  for (int root = 0; root < world->size(); ++root) {
+    at::Tensor t = at::full({5}, world->rank() == root ? 7.0 : 0.0, test::device_options());
+    const auto version = t._version();
+    comm::BroadcastOptions opts;
+    opts.root = root;
+    world->broadcast(t, opts)->wait();
+    EXPECT_TRUE(at::equal(t.cpu(), at::full({5}, 7.0))) << "root " << root;
+    if (world->rank() == root) EXPECT_EQ(t._version(), version) << "the root's tensor was written";
+  }
+}
+
 }  // namespace
 }  // namespace tessera

@@ -4,6 +4,7 @@
 // units by name through UnitHost, SyncBatchNorm, buffers, the errors a user
 // meets, ShardedOptimizer as a torch::optim::Optimizer under a LibTorch
 // learning-rate scheduler.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/context/parallel_context.h"
@@ -34,8 +35,8 @@ context::ParallelContextPtr data_context() {
 int rank() { return test::world()->rank(); }
 int ranks() { return test::world()->size(); }
 
-at::Tensor images(int step) { return test::seeded_randn({kBatch, 3, 6, 6}, 300 + step); }
-at::Tensor targets(int step) { return test::seeded_randn({kBatch, 4}, 400 + step); }
+at::Tensor images(int step) { return test::device_randn({kBatch, 3, 6, 6}, 300 + step); }
+at::Tensor targets(int step) { return test::device_randn({kBatch, 4}, 400 + step); }
 at::Tensor my_rows(const at::Tensor& t) {
   const int64_t rows = t.size(0) / ranks();
   return t.narrow(0, rank() * rows, rows);
@@ -131,11 +132,13 @@ class CustomModule : public ::testing::TestWithParam<std::string> {
 TEST_P(CustomModule, TrainsLikeTheSerialModelWithSchedulerAndSyncBatchNorm) {
   torch::manual_seed(0);
   SerialNet serial;
+  serial->to(test::device());
   auto serial_opt = sgd(serial->parameters());
   torch::optim::StepLR serial_lr(*serial_opt, 1, 0.5);
 
   auto ctx = data_context();
   Net net(ctx->comm(context::ParallelMode::kData));
+  net->to(test::device());
   copy_state(*serial, *net);
   auto sharded = std::make_shared<ShardedModule>(
       net.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(GetParam())).units({"block1", "block2"}));
@@ -179,6 +182,8 @@ TEST_P(CustomModule, TrainsLikeTheSerialModelWithSchedulerAndSyncBatchNorm) {
 // two more steps; a differently initialised net that loads the checkpoint
 // then takes the same two steps bit for bit: losses, parameters, buffers.
 TEST_P(CustomModule, CheckpointWithBuffersResumesBitExactly) {
+  // Bit for bit needs deterministic convolution backward kernels on CUDA.
+  if (test::device().is_cuda()) at::globalContext().setDeterministicCuDNN(true);
   auto ctx = data_context();
   const auto data = ctx->comm(context::ParallelMode::kData);
   struct Run {
@@ -189,6 +194,7 @@ TEST_P(CustomModule, CheckpointWithBuffersResumesBitExactly) {
   auto make = [&](uint64_t seed) {
     torch::manual_seed(seed);
     Run r{Net(data), nullptr, nullptr};
+    r.net->to(test::device());
     r.sharded = std::make_shared<ShardedModule>(
         r.net.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(GetParam())).units({"block1", "block2"}));
     r.opt = std::make_unique<ShardedOptimizer>(r.sharded, sgd(r.net->parameters()));
@@ -250,9 +256,12 @@ TEST(Buffers, BroadcastBuffersLeavesRankZerosStatisticsEverywhere) {
     torch::manual_seed(0);
     torch::nn::Sequential model(torch::nn::Conv2d(3, 4, 1), torch::nn::BatchNorm2d(4), torch::nn::Flatten(),
                                 torch::nn::Linear(4 * 36, 4));
+    model->to(test::device());
     torch::manual_seed(0);
     torch::nn::BatchNorm2d rank0_bn(4);  // rank 0's statistics, updated from its rows alone
+    rank0_bn->to(test::device());
     torch::nn::Conv2d rank0_conv(3, 4, 1);
+    rank0_conv->to(test::device());
     copy_state(*model[0], *rank0_conv);
     auto sharded = std::make_shared<ShardedModule>(
         model.ptr(), data_context(), ShardedModuleOptions().spec(ShardingSpec::zero3()).broadcast_buffers(broadcast));
@@ -273,7 +282,7 @@ TEST(Buffers, BroadcastBuffersLeavesRankZerosStatisticsEverywhere) {
       opt.step();
     }
     at::Tensor mine = model[1]->named_buffers()["running_mean"].clone();
-    at::Tensor all = at::empty({ranks(), 4});
+    at::Tensor all = at::empty({ranks(), 4}, test::device_options());
     test::world()->all_gather(all, mine);
     if (broadcast || ranks() == 1) {
       for (int r = 0; r < ranks(); ++r) EXPECT_TRUE(all[r].equal(all[0])) << "rank " << r;
@@ -297,21 +306,24 @@ TEST(SyncBatchNorm, EqualsBatchNormOnTheWholeBatch) {
     if (dims == 4) shape.insert(shape.end(), {4, 5});
     torch::manual_seed(1);
     torch::nn::BatchNorm1d serial1(torch::nn::BatchNormOptions(3));
+    serial1->to(test::device());
     torch::nn::BatchNorm2d serial2(torch::nn::BatchNormOptions(3));
+    serial2->to(test::device());
     torch::nn::Module& serial = dims == 2 ? static_cast<torch::nn::Module&>(*serial1) : *serial2;
     {
       at::NoGradGuard no_grad;
-      serial.named_parameters()["weight"].copy_(test::seeded_randn({3}, 7));
-      serial.named_parameters()["bias"].copy_(test::seeded_randn({3}, 8));
+      serial.named_parameters()["weight"].copy_(test::device_randn({3}, 7));
+      serial.named_parameters()["bias"].copy_(test::device_randn({3}, 8));
     }
     nn::SyncBatchNorm bn(nn::SyncBatchNormOptions(3).group(test::world()));
+    bn->to(test::device());
     copy_state(serial, *bn);
     // Rank r holds rows [begin, end): 2 each, and the 3 left over on rank 0.
     const int64_t begin = rank() == 0 ? 0 : 3 + 2 * rank(), end = 2 * rank() + 5;
     auto run_serial = [&](const at::Tensor& x) { return dims == 2 ? serial1(x) : serial2(x); };
     for (int step = 0; step < 2; ++step) {
-      at::Tensor x = test::seeded_randn(shape, 50 + step).mul_(3).add_(1).requires_grad_(true);
-      at::Tensor g = test::seeded_randn(shape, 60 + step);
+      at::Tensor x = test::device_randn(shape, 50 + step).mul_(3).add_(1).requires_grad_(true);
+      at::Tensor g = test::device_randn(shape, 60 + step);
       at::Tensor expected = run_serial(x);
       (expected * g).sum().backward();
       at::Tensor mine = x.detach().narrow(0, begin, end - begin).requires_grad_(true);
@@ -331,9 +343,9 @@ TEST(SyncBatchNorm, EqualsBatchNormOnTheWholeBatch) {
       EXPECT_LE(test::rel_error(bn->named_buffers()[name], serial.named_buffers()[name]), kTolerance) << name;
     bn->eval();
     serial.eval();
-    at::Tensor x = test::seeded_randn(shape, 70);
+    at::Tensor x = test::device_randn(shape, 70);
     EXPECT_LE(test::rel_error(bn(x), run_serial(x)), kTolerance) << "evaluation";
-    EXPECT_ERROR_CONTAINS(bn(test::seeded_randn({2, 5}, 1)), "expects input [N, 3, *]");
+    EXPECT_ERROR_CONTAINS(bn(test::device_randn({2, 5}, 1)), "expects input [N, 3, *]");
   }
 }
 
@@ -351,7 +363,8 @@ TORCH_MODULE(Tied);
 
 TEST(UnitErrors, AParameterUsedOutsideItsUnitIsNamed) {
   Tied model;
-  EXPECT_EQ(model->forward(at::ones({2, 4})).size(1), 4) << "unwrapped, unit() runs fn";
+  model->to(test::device());
+  EXPECT_EQ(model->forward(at::ones({2, 4}, test::device_options())).size(1), 4) << "unwrapped, unit() runs fn";
   // At one rank nothing is sharded: offloaded parameter shards are gathered per unit too.
   auto options = ShardedModuleOptions().units({"a", "b"});
   if (ranks() == 1)
@@ -360,7 +373,8 @@ TEST(UnitErrors, AParameterUsedOutsideItsUnitIsNamed) {
     options.spec(ShardingSpec::zero3());
   auto sharded = std::make_shared<ShardedModule>(model.ptr(), data_context(), options);
   EXPECT_EQ(model->sharded(), sharded.get());
-  EXPECT_ERROR_CONTAINS(model->forward(at::ones({2, 4})), "parameter 'b.weight' (unit 'b') was used inside run_unit('a')",
+  EXPECT_ERROR_CONTAINS(model->forward(at::ones({2, 4}, test::device_options())),
+                        "parameter 'b.weight' (unit 'b') was used inside run_unit('a')",
                         "a unit's parameters exist only while that unit runs");
   EXPECT_ERROR_CONTAINS(sharded->run_unit("c", [] { return at::Tensor(); }), "'c' is not a unit of this module",
                         "its units are 'a', 'b'");
@@ -383,29 +397,31 @@ TORCH_MODULE(Rooted);
 
 TEST(UnitErrors, TheRootUnitStaysGatheredBetweenBackwardAndForward) {
   Rooted model;
-  const at::Tensor expected = model->forward(at::ones({2, 4})).detach();
+  model->to(test::device());
+  const at::Tensor expected = model->forward(at::ones({2, 4}, test::device_options())).detach();
   auto options = ShardedModuleOptions().units({"a"});
   if (ranks() == 1)
     options.offload_params(true);
   else
     options.spec(ShardingSpec::zero3());
   auto sharded = std::make_shared<ShardedModule>(model.ptr(), data_context(), options);
-  model->forward(at::ones({2, 4})).sum().backward();
+  model->forward(at::ones({2, 4}, test::device_options())).sum().backward();
   at::Tensor again;
-  EXPECT_NO_THROW(again = model->forward(at::ones({2, 4})));
+  EXPECT_NO_THROW(again = model->forward(at::ones({2, 4}, test::device_options())));
   if (again.defined()) EXPECT_TRUE(again.detach().equal(expected));
 }
 
 TEST(ShardedOptimizerAsOptimizer, StepsThroughTheBaseAndRefusesLibTorchArchives) {
   torch::manual_seed(0);
   torch::nn::Linear model(3, 2);
+  model->to(test::device());
   auto sharded = std::make_shared<ShardedModule>(model.ptr(), data_context());
   ShardedOptimizer sharded_opt(sharded, sgd(model->parameters()));
   torch::optim::Optimizer& opt = sharded_opt;
   at::Tensor before = model->weight.detach().clone();
   at::Tensor loss = opt.step([&] {
     sharded_opt.zero_grad();
-    at::Tensor l = model(at::ones({2, 3})).pow(2).mean();
+    at::Tensor l = model(at::ones({2, 3}, test::device_options())).pow(2).mean();
     l.backward();
     return l;
   });
@@ -421,9 +437,11 @@ TEST(ShardedOptimizerAsOptimizer, StepsThroughTheBaseAndRefusesLibTorchArchives)
 
 TEST(GlobalMean, IsTheMeanOverTheDataRanks) {
   torch::nn::Linear model(2, 2);
+  model->to(test::device());
   ShardedModule sharded(model.ptr(), data_context());
-  EXPECT_DOUBLE_EQ(sharded.global_mean(at::tensor(static_cast<double>(rank() + 1))), (ranks() + 1) / 2.0);
-  EXPECT_ERROR_CONTAINS(sharded.global_mean(at::ones({2})), "needs a one-element tensor");
+  const at::Tensor mine = at::tensor(static_cast<double>(rank() + 1)).to(test::device());
+  EXPECT_DOUBLE_EQ(sharded.global_mean(mine), (ranks() + 1) / 2.0);
+  EXPECT_ERROR_CONTAINS(sharded.global_mean(at::ones({2}, test::device_options())), "needs a one-element tensor");
 }
 
 }  // namespace

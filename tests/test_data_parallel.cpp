@@ -34,21 +34,7 @@ constexpr double kRelTolerance = 1e-5;  // fp32, relative to the norm of the ser
 constexpr int64_t kGlobalBatch = 48;  // every data size tested (1, 2, 3, 4, 8) divides it, twice at 8
 constexpr int kSteps = 10;
 
-// TESSERA_TEST_DEVICE=cuda runs this file's tests on the GPU (ranks may share
-// one; the MPI backend stages CUDA buffers through host memory). TF32 is
-// turned off there: the comparisons are fp32 at 1e-5.
-c10::Device test_device() {
-  static const c10::Device device = [] {
-    const char* env = std::getenv("TESSERA_TEST_DEVICE");
-    c10::Device d(env != nullptr && *env != '\0' ? env : "cpu");
-    if (d.is_cuda()) {
-      at::globalContext().setAllowTF32CuBLAS(false);
-      at::globalContext().setAllowTF32CuDNN(false);
-    }
-    return d;
-  }();
-  return device;
-}
+// TESSERA_TEST_DEVICE=cuda runs this file's tests on the GPU (test::device()).
 
 // Sizes chosen so that no bucket divides evenly: padding is always exercised.
 struct MLPImpl : torch::nn::Module {
@@ -77,16 +63,16 @@ std::shared_ptr<torch::nn::Module> make_net(Net net) {
   } else {
     m = conv_net().ptr();
   }
-  m->to(test_device());
+  m->to(test::device());
   return m;
 }
 
 at::Tensor inputs(Net net, int step) {
   return (net == Net::kMLP ? test::seeded_randn({kGlobalBatch, 11}, 100 + step)
                            : test::seeded_randn({kGlobalBatch, 3, 8, 8}, 100 + step))
-      .to(test_device());
+      .to(test::device());
 }
-at::Tensor targets(int step) { return test::seeded_randn({kGlobalBatch, 3}, 200 + step).to(test_device()); }
+at::Tensor targets(int step) { return test::seeded_randn({kGlobalBatch, 3}, 200 + step).to(test::device()); }
 
 at::Tensor forward(Net net, torch::nn::Module& m, const at::Tensor& x) {
   if (net == Net::kMLP) return dynamic_cast<MLPImpl&>(m).forward(x);
@@ -249,7 +235,7 @@ TEST_P(DataParallelSpecs, ModelStateMemoryEqualsTheFormula) {
 // state unsharded shows up as a difference.
 TEST_P(DataParallelSpecs, ModelStateBytesCountedAtTheAllocatorEqualTheFormula) {
   const Case c = GetParam();
-  if (test_device().is_cuda()) GTEST_SKIP() << "counts CPU allocations";
+  if (test::device().is_cuda()) GTEST_SKIP() << "counts CPU allocations";
   auto ctx = data_context();
   test::CountingScope scope;
   auto& counter = test::CountingAllocator::instance();
@@ -444,10 +430,18 @@ TEST_F(DataParallelOptions, DiskOffloadIsBitExactAndKeepsNoStateInMemory) {
   const Run plain = run({});
   const Run in_cpu_memory = run(ShardedOptimizerOptions().offload(parallel::Offload::kHost));
   const Run on_disk = run(ShardedOptimizerOptions().offload(parallel::Offload::kDisk).disk(disk()));
+  // On CUDA the offloaded steps run on the CPU and the plain one on the GPU,
+  // whose AdamW rounds differently: there the two offloads are bit-exact with
+  // each other and within 1e-5 of the plain run.
+  const bool cuda = test::device().is_cuda();
+  const Run& exact = cuda ? in_cpu_memory : plain;
   for (const Run* other : {&in_cpu_memory, &on_disk}) {
-    EXPECT_EQ(other->losses, plain.losses);
     ASSERT_EQ(other->params.size(), plain.params.size());
-    for (size_t i = 0; i < plain.params.size(); ++i) EXPECT_TRUE(at::equal(other->params[i], plain.params[i])) << i;
+    if (other != &exact) EXPECT_EQ(other->losses, exact.losses);
+    for (size_t i = 0; i < plain.params.size(); ++i) {
+      if (other != &exact) EXPECT_TRUE(at::equal(other->params[i], exact.params[i])) << i;
+      if (cuda) EXPECT_REL_CLOSE(other->params[i], plain.params[i], 1e-5) << i;
+    }
   }
   EXPECT_GT(plain.state_elements, 0);
   EXPECT_EQ(on_disk.state_elements, plain.state_elements);

@@ -8,6 +8,7 @@
 //   loss_d = Σ (tanh(x_d gᵀ) X[e(d)]ᵀ - t_d)² / rows,  loss = mean over d.
 // The serial side is the same arithmetic written directly in LibTorch over
 // the full tensors and every data rank's batch.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/context/parallel_context.h"
@@ -54,10 +55,10 @@ struct ExpertToyImpl : torch::nn::Module, nn::PlacedModule {
 TORCH_MODULE(ExpertToy);
 
 std::map<std::string, at::Tensor> initial_weights(int64_t experts) {
-  return {{"g", test::seeded_randn({kH, kH}, 11) * 0.5}, {"x", test::seeded_randn({experts, kH, kH}, 12) * 0.5}};
+  return {{"g", test::device_randn({kH, kH}, 11) * 0.5}, {"x", test::device_randn({experts, kH, kH}, 12) * 0.5}};
 }
-at::Tensor batch_in(int step, int64_t d) { return test::seeded_randn({kRows, kH}, 1000 + 64 * step + d); }
-at::Tensor batch_t(int step, int64_t d) { return test::seeded_randn({kRows, kH}, 5000 + 64 * step + d) * 0.5; }
+at::Tensor batch_in(int step, int64_t d) { return test::device_randn({kRows, kH}, 1000 + 64 * step + d); }
+at::Tensor batch_t(int step, int64_t d) { return test::device_randn({kRows, kH}, 5000 + 64 * step + d) * 0.5; }
 
 struct Serial {
   std::vector<double> losses, norms;
@@ -79,7 +80,7 @@ Serial serial_run(const std::vector<int64_t>& expert_of, int64_t experts, bool l
   const auto dp = static_cast<int64_t>(expert_of.size());
   for (int step = 0; step < kSteps; ++step) {
     opt->zero_grad();
-    at::Tensor loss = at::zeros({}, at::kFloat);
+    at::Tensor loss = at::zeros({}, test::device_options(at::kFloat));
     for (int64_t d = 0; d < dp; ++d) {
       const at::Tensor y = at::matmul(at::tanh(at::matmul(batch_in(step, d), g.t())), x[expert_of[d]].t());
       loss = loss + (y - batch_t(step, d)).pow(2).sum() / static_cast<double>(kRows);
@@ -106,6 +107,7 @@ struct ExpertRun {
 ExpertRun make_run(const context::ParallelContextPtr& ctx, int64_t experts, const std::string& spec, bool lamb) {
   ExpertRun r;
   r.toy = ExpertToy(experts, ctx->comm(context::ParallelMode::kExpert), ctx->comm(context::ParallelMode::kExpertData));
+  r.toy->to(test::device());
   for (const auto& [name, p] : r.toy->placements()) {
     const at::Tensor full = initial_weights(experts).at(name);
     // Replicas of the same region agree after the wrapper's broadcast; poison the others.
@@ -150,7 +152,7 @@ std::map<std::string, at::Tensor> full_weights(ExpertRun& r) {
 // Data rank d's expert rank, as the grid assigns it, known on every rank.
 std::vector<int64_t> experts_of_data_ranks(const context::ParallelContextPtr& ctx) {
   auto data = ctx->comm(context::ParallelMode::kData);
-  at::Tensor v = at::zeros({data->size()}, at::kLong);
+  at::Tensor v = at::zeros({data->size()}, at::kLong);  // on the CPU: read through data_ptr
   v[data->rank()] = ctx->rank(context::ParallelMode::kExpert);
   data->all_reduce(v);
   return std::vector<int64_t>(v.data_ptr<int64_t>(), v.data_ptr<int64_t>() + v.numel());

@@ -1,5 +1,6 @@
 // Autograd-aware collectives: forward values, and backward checked against
 // central finite differences of the global loss, in float64.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 //
 // Note [Global loss for gradient checks]
 // A collective's adjoint is only right for the layout it assumes, so each
@@ -27,7 +28,7 @@ struct Layout {
   bool loss_replicated;
 };
 
-at::Tensor seeded(at::IntArrayRef shape, uint64_t seed) { return test::seeded_randn(shape, seed, at::kDouble); }
+at::Tensor seeded(at::IntArrayRef shape, uint64_t seed) { return test::device_randn(shape, seed, at::kDouble); }
 
 void check_gradient(const Fn& fn, at::IntArrayRef input_shape, at::IntArrayRef output_shape, Layout layout) {
   auto world = test::world();
@@ -73,16 +74,16 @@ TEST(Functional, CopyToGroup) {
 
 TEST(Functional, ReduceFromGroup) {
   auto c = test::world();
-  at::Tensor x = at::full({2}, static_cast<double>(c->rank()), at::kDouble);
-  EXPECT_TRUE(
-      at::allclose(comm::reduce_from_group(x, c), at::full({2}, c->size() * (c->size() - 1) / 2.0, at::kDouble)));
+  at::Tensor x = at::full({2}, static_cast<double>(c->rank()), test::device_options(at::kDouble));
+  EXPECT_TRUE(at::allclose(comm::reduce_from_group(x, c),
+                           at::full({2}, c->size() * (c->size() - 1) / 2.0, test::device_options(at::kDouble))));
   check_gradient([&](const at::Tensor& x) { return comm::reduce_from_group(x, c); }, {3, 2}, {3, 2}, {false, true});
 }
 
 TEST(Functional, SplitAlongDim) {
   auto c = test::world();
   const int n = c->size();
-  at::Tensor x = at::arange(2 * 3 * n, at::kDouble).reshape({2, 3 * n});
+  at::Tensor x = at::arange(2 * 3 * n, test::device_options(at::kDouble)).reshape({2, 3 * n});
   EXPECT_TRUE(at::equal(comm::split_along_dim(x, 1, c), x.chunk(n, 1)[c->rank()]));
   check_gradient([&](const at::Tensor& x) { return comm::split_along_dim(x, 1, c); }, {2, 2 * n}, {2, 2},
                  {true, false});
@@ -91,10 +92,11 @@ TEST(Functional, SplitAlongDim) {
 TEST(Functional, GatherAlongDim) {
   auto c = test::world();
   const int n = c->size();
-  at::Tensor x = at::full({2, 2}, static_cast<double>(c->rank()), at::kDouble);
+  at::Tensor x = at::full({2, 2}, static_cast<double>(c->rank()), test::device_options(at::kDouble));
   at::Tensor g = comm::gather_along_dim(x, 1, c);
   ASSERT_EQ(g.sizes(), (std::vector<int64_t>{2, 2 * n}));
-  for (int r = 0; r < n; ++r) EXPECT_TRUE(at::equal(g.narrow(1, 2 * r, 2), at::full({2, 2}, double(r), at::kDouble)));
+  for (int r = 0; r < n; ++r)
+    EXPECT_TRUE(at::equal(g.narrow(1, 2 * r, 2), at::full({2, 2}, double(r), test::device_options(at::kDouble))));
   check_gradient([&](const at::Tensor& x) { return comm::gather_along_dim(x, 1, c); }, {2, 2}, {2, 2 * n},
                  {false, true});
 }
@@ -117,11 +119,11 @@ TEST(Functional, AllToAllAlongDims) {
   auto c = test::world();
   const int n = c->size();
   // [b, s/n, h] -> [b, s, h/n], the sequence <-> head exchange of Ulysses.
-  at::Tensor x = at::arange(2 * 1 * 2 * n, at::kDouble).reshape({2, 1, 2 * n}) + 100 * c->rank();
+  at::Tensor x = at::arange(2 * 1 * 2 * n, test::device_options(at::kDouble)).reshape({2, 1, 2 * n}) + 100 * c->rank();
   at::Tensor y = comm::all_to_all_along_dims(x, 2, 1, c);
   ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, n, 2}));
   for (int r = 0; r < n; ++r) {
-    at::Tensor from_r = at::arange(2 * 1 * 2 * n, at::kDouble).reshape({2, 1, 2 * n}) + 100 * r;
+    at::Tensor from_r = at::arange(2 * 1 * 2 * n, test::device_options(at::kDouble)).reshape({2, 1, 2 * n}) + 100 * r;
     EXPECT_TRUE(at::equal(y.narrow(1, r, 1), from_r.narrow(2, 2 * c->rank(), 2)));
   }
   check_gradient([&](const at::Tensor& x) { return comm::all_to_all_along_dims(x, 2, 1, c); }, {2, 1, 2 * n}, {2, n, 2},
@@ -131,7 +133,7 @@ TEST(Functional, AllToAllAlongDims) {
 TEST(Functional, IndivisibleDimensionIsRejected) {
   auto c = test::world();
   if (c->size() == 1) GTEST_SKIP() << "every size divides by 1";
-  at::Tensor x = at::zeros({2, c->size() + 1});
+  at::Tensor x = at::zeros({2, c->size() + 1}, test::device_options());
   EXPECT_TRUE(test::throws_with([&] { comm::split_along_dim(x, 1, c); }, "not divisible by the group size"));
 }
 

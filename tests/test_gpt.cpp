@@ -3,6 +3,7 @@
 // loaded with the same full weights: logits, loss, every gathered gradient,
 // five AdamW steps, and the communication of one forward + backward against
 // the analytical count.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "gpt_weights.h"
@@ -38,11 +39,16 @@ std::shared_ptr<nn::LayerFactory> factory(const comm::CommunicatorPtr& group, bo
   return nn::make_1d_factory(group, sp, 1234, 5678);
 }
 
+// On test::device(), so that they compare with the models' full_state().
 std::map<std::string, at::Tensor> initial_weights(const models::GPTConfig& c, uint64_t seed) {
-  return test::gpt_initial_weights(c, seed);
+  auto full = test::gpt_initial_weights(c, seed);
+  for (auto& entry : full) entry.second = entry.second.to(test::device());
+  return full;
 }
 
-at::Tensor seeded_ids(uint64_t seed, int64_t vocab) { return test::seeded_token_ids(seed, vocab, kBatch, kSeq); }
+at::Tensor seeded_ids(uint64_t seed, int64_t vocab) {
+  return test::seeded_token_ids(seed, vocab, kBatch, kSeq).to(test::device());
+}
 
 // Full logits [b, s, vocab] from every rank's vocabulary shard.
 at::Tensor full_logits(const at::Tensor& shard, const comm::Communicator& tp, int64_t vocab) {
@@ -63,8 +69,10 @@ TEST_P(GPTParallel, MatchesSerialGPTIncludingFiveAdamWSteps) {
     GTEST_SKIP() << "the tiny GPT's " << tiny().heads() << " heads do not split over " << tp->size();
   const auto full = initial_weights(tiny(), 0);
   test::ReferenceGPT serial(test::reference_config(tiny()));
+  serial->to(test::device());
   serial->load_full_state(full);
   models::GPT parallel(tiny(), factory(tp, sp));
+  parallel->to(test::device());
   parallel->load_full_state(full);
   for (const auto& entry : parallel->full_state()) {
     EXPECT_TRUE(at::equal(entry.second, full.at(entry.first))) << entry.first << " does not round-trip";
@@ -116,8 +124,10 @@ TEST(GPTUntied, SeparateHeadMatchesSerial) {
   const auto full = initial_weights(c, 1);
   ASSERT_TRUE(full.count("lm_head.weight"));
   test::ReferenceGPT serial(test::reference_config(c));
+  serial->to(test::device());
   serial->load_full_state(full);
   models::GPT parallel(c, factory(tp, false));
+  parallel->to(test::device());
   parallel->load_full_state(full);
   at::Tensor ids = seeded_ids(5, c.vocab()), targets = seeded_ids(6, c.vocab());
   at::Tensor a = serial->loss(serial->forward(ids), targets);
@@ -146,6 +156,7 @@ TEST(GPTCommunication, MatchesTheAnalyticalCount) {
     auto tp = std::make_shared<comm::TracingCommunicator>(world, trace);
     torch::manual_seed(0);
     models::GPT gpt(tiny(), factory(tp, sp));
+    gpt->to(test::device());
     trace->reset();  // construction shards weights without communication; count the step only
     at::Tensor ids = seeded_ids(3, tiny().vocab());
     gpt->loss(gpt->forward(ids), seeded_ids(4, tiny().vocab())).backward();
@@ -172,13 +183,14 @@ TEST(GPTCommunication, MatchesTheAnalyticalCount) {
 TEST(LayerFactory1D, ActivationLayoutsRoundTrip) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor full = at::arange(kBatch * 4 * n * 3, at::kFloat).reshape({kBatch, 4 * n, 3});
+  at::Tensor full = at::arange(kBatch * 4 * n * 3, test::device_options()).reshape({kBatch, 4 * n, 3});
   for (bool sp : {false, true}) {
     auto f = factory(tp, sp);
     EXPECT_EQ(f->mode(), sp ? "1d-sp" : "1d");
     at::Tensor local = f->scatter_activation(full);
     EXPECT_TRUE(at::equal(local, sp ? full.chunk(n, 1)[r] : full));
     EXPECT_TRUE(at::equal(f->gather_activation(local), full));
+    // positions() are CPU tensors (the model moves them to its ids' device).
     EXPECT_TRUE(
         at::equal(f->positions(4 * n), sp ? at::arange(4 * r, 4 * r + 4, at::kLong) : at::arange(4 * n, at::kLong)));
   }

@@ -6,6 +6,7 @@
 // checkpointing, and in fp64; the same under the data-parallel wrapper; the
 // traced bytes of one step against each mode's formula; the factories'
 // activation layouts and refusals.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "gpt_weights.h"
@@ -85,7 +86,8 @@ at::Tensor full_logits(const at::Tensor& local, const context::ParallelContextPt
 // gradient is still compared (it is ~0 on both sides).
 at::Tensor without_key_bias(const at::Tensor& bias, const models::GPTConfig& c) {
   const int64_t d = c.hidden() / c.heads();
-  return bias.view({c.heads(), 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
+  const at::Tensor query_and_value = at::tensor({0, 2}, at::kLong).to(test::device());
+  return bias.view({c.heads(), 3, d}).index_select(1, query_and_value).reshape({-1});
 }
 
 void zero_grads(torch::nn::Module& m) {
@@ -114,12 +116,14 @@ TEST_P(GPTGrid, MatchesSerialIncludingFiveAdamWSteps) {
     SCOPED_TRACE(gc.name);
     auto ctx = context::ParallelContext::create(world, gc.config);
     test::ReferenceGPT serial(test::reference_config(c));
+    serial->to(test::device());
     serial->load_full_state(full);
     models::GPT grid(c, nn::make_layer_factory(ctx));
+    grid->to(test::device());
     EXPECT_EQ(grid->factory()->mode(), gc.name.substr(0, gc.name.find(' ')));
     grid->load_full_state(full);
     for (const auto& [name, value] : grid->full_state())
-      EXPECT_TRUE(at::equal(value, full.at(name))) << name << " does not round-trip";
+      EXPECT_TRUE(at::equal(value, full.at(name).to(test::device()))) << name << " does not round-trip";
     if (fp64) {
       serial->to(at::kDouble);
       grid->to(at::kDouble);
@@ -130,8 +134,8 @@ TEST_P(GPTGrid, MatchesSerialIncludingFiveAdamWSteps) {
     for (int step = 0; step <= 5; ++step) {
       zero_grads(*serial);
       zero_grads(*grid);
-      const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq);
-      at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq);
+      const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq).to(test::device());
+      at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq).to(test::device());
       targets[1][3] = -100;  // an ignored target: the mean counts the others only
       const at::Tensor serial_logits = serial->forward(ids);
       const at::Tensor serial_loss = serial->loss(serial_logits, targets);
@@ -178,9 +182,10 @@ TEST(GPTGrid, ShardedGradientsAndWholeNormEqualSerial) {
   models::GPTConfig c = models::GPTConfig::preset("tiny");
   c.layers(4);
   const auto full = test::gpt_initial_weights(c, 4);
-  const at::Tensor ids = test::seeded_token_ids(30, c.vocab(), 12, 8);
-  const at::Tensor targets = test::seeded_token_ids(31, c.vocab(), 12, 8);
+  const at::Tensor ids = test::seeded_token_ids(30, c.vocab(), 12, 8).to(test::device());
+  const at::Tensor targets = test::seeded_token_ids(31, c.vocab(), 12, 8).to(test::device());
   test::ReferenceGPT serial(test::reference_config(c));
+  serial->to(test::device());
   serial->load_full_state(full);
   serial->loss(serial->forward(ids), targets).backward();
   const double serial_norm = torch::nn::utils::clip_grad_norm_(serial->parameters(), 1e9);
@@ -190,6 +195,7 @@ TEST(GPTGrid, ShardedGradientsAndWholeNormEqualSerial) {
       SCOPED_TRACE(gc.name + " " + spec);
       auto ctx = context::ParallelContext::create(world, gc.config);
       auto gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
+      gpt->to(test::device());
       gpt->load_full_state(full);
       const nn::NamedPlacements placements = gpt->placements();
       auto seq = gpt->as_sequential();
@@ -229,8 +235,10 @@ TEST(GPTGrid, LambAndLarsTrustRatiosUseWholeParameterNorms) {
       SCOPED_TRACE(gc.name + " " + opt_name);
       auto ctx = context::ParallelContext::create(world, gc.config);
       test::ReferenceGPT serial(test::reference_config(c));
+      serial->to(test::device());
       serial->load_full_state(full);
       auto gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
+      gpt->to(test::device());
       gpt->load_full_state(full);
       const nn::NamedPlacements placements = gpt->placements();
       auto sharded = std::make_shared<parallel::ShardedModule>(
@@ -240,8 +248,8 @@ TEST(GPTGrid, LambAndLarsTrustRatiosUseWholeParameterNorms) {
           parallel::ShardedOptimizerOptions().whole_norms(std::make_shared<parallel::PlacementNorms>(placements)));
       auto serial_opt = make(serial->parameters());
       for (int step = 0; step < 3; ++step) {
-        const at::Tensor ids = test::seeded_token_ids(60 + step, c.vocab(), kBatch, kSeq);
-        const at::Tensor targets = test::seeded_token_ids(70 + step, c.vocab(), kBatch, kSeq);
+        const at::Tensor ids = test::seeded_token_ids(60 + step, c.vocab(), kBatch, kSeq).to(test::device());
+        const at::Tensor targets = test::seeded_token_ids(70 + step, c.vocab(), kBatch, kSeq).to(test::device());
         serial_opt->zero_grad();
         opt.zero_grad();
         const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
@@ -272,9 +280,10 @@ TEST(GPTGrid, Bf16LossAndGradientsCloseToFp32Serial) {
   if (cases.empty()) GTEST_SKIP() << "runs at 4 and 8 ranks";
   const models::GPTConfig c = models::GPTConfig::preset("tiny");
   const auto full = test::gpt_initial_weights(c, 6);
-  const at::Tensor ids = test::seeded_token_ids(80, c.vocab(), kBatch, kSeq);
-  const at::Tensor targets = test::seeded_token_ids(81, c.vocab(), kBatch, kSeq);
+  const at::Tensor ids = test::seeded_token_ids(80, c.vocab(), kBatch, kSeq).to(test::device());
+  const at::Tensor targets = test::seeded_token_ids(81, c.vocab(), kBatch, kSeq).to(test::device());
   test::ReferenceGPT serial(test::reference_config(c));
+  serial->to(test::device());
   serial->load_full_state(full);
   const at::Tensor serial_loss = serial->loss(serial->forward(ids), targets);
   serial_loss.backward();
@@ -283,6 +292,7 @@ TEST(GPTGrid, Bf16LossAndGradientsCloseToFp32Serial) {
     SCOPED_TRACE(gc.name);
     auto ctx = context::ParallelContext::create(world, gc.config);
     models::GPT gpt(c, nn::make_layer_factory(ctx));
+    gpt->to(test::device());
     gpt->load_full_state(full);
     gpt->to(at::kBFloat16);
     const at::Tensor loss = gpt->loss(gpt->forward(ids), targets);
@@ -329,9 +339,10 @@ TEST(GPTGrid, TracedBytesEqualTheFormula) {
     SCOPED_TRACE(gc.name);
     auto ctx = context::ParallelContext::create(world, gc.config);
     models::GPT gpt(c, nn::make_layer_factory(ctx));
+    gpt->to(test::device());
     options.trace->reset();
-    gpt->loss(gpt->forward(test::seeded_token_ids(40, c.vocab(), kBatch, kSeq)),
-              test::seeded_token_ids(41, c.vocab(), kBatch, kSeq))
+    gpt->loss(gpt->forward(test::seeded_token_ids(40, c.vocab(), kBatch, kSeq).to(test::device())),
+              test::seeded_token_ids(41, c.vocab(), kBatch, kSeq).to(test::device()))
         .backward();
     auto expect = [&](const std::string& group, comm::OpType op, int64_t calls, int64_t elements) {
       const auto got = options.trace->get(group, op);
@@ -392,13 +403,13 @@ TEST(LayerFactoryGrid, ActivationLayoutRoundTrips) {
     auto ctx = context::ParallelContext::create(world, gc.config);
     auto f = nn::make_layer_factory(ctx);
     const Roles r = roles(ctx);
-    const at::Tensor full = at::arange(kBatch * 3 * 8, at::kFloat).reshape({kBatch, 3, 8});
+    const at::Tensor full = at::arange(kBatch * 3 * 8, test::device_options()).reshape({kBatch, 3, 8});
     const at::Tensor local = f->scatter_activation(full);
     // 2D: batch block i, hidden block j; 2.5D: batch block i + q·k; 3D:
     // batch sub-block k·q + j, hidden block i.
     EXPECT_TRUE(at::equal(local, full.chunk(r.batch->size(), 0)[r.batch->rank()].chunk(2, 2)[r.hidden->rank()]));
     EXPECT_TRUE(at::equal(f->gather_activation(local), full));
-    EXPECT_TRUE(at::equal(f->positions(5), at::arange(5, at::kLong)));
+    EXPECT_TRUE(at::equal(f->positions(5), at::arange(5, at::kLong)));  // positions() are CPU tensors
   }
 }
 
@@ -419,7 +430,8 @@ TEST(LayerFactoryGrid, BadShapesAreRefusedOnEveryRank) {
     c.hidden(3);
     EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)), "embedding_dim (3) is not divisible");
     models::GPT gpt(models::GPTConfig::preset("tiny"), nn::make_layer_factory(ctx));
-    const at::Tensor ids = test::seeded_token_ids(1, 101, parts + 1, kSeq);
+    gpt->to(test::device());
+    const at::Tensor ids = test::seeded_token_ids(1, 101, parts + 1, kSeq).to(test::device());
     const std::string odd = "batch size " + std::to_string(parts + 1) + " is not divisible by " + r.batch_rule + " = " +
                             std::to_string(parts);
     EXPECT_ERROR_CONTAINS(gpt->forward(ids), odd.c_str());

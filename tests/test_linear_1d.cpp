@@ -4,6 +4,7 @@
 // forward outputs, input gradients and gathered weight gradients compared
 // (Note [Global loss for gradient checks] in test_functional.cpp: the loss
 // each rank computes on what it holds sums to the serial loss).
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/nn/column_parallel_linear.h"
@@ -46,12 +47,13 @@ Serial serial_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tenso
 TEST(ColumnParallelLinear, MatchesSerialWithShardedOutput) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 1), w = test::seeded_randn({kFfn, kHidden}, 2),
-             b = test::seeded_randn({kFfn}, 3);
-  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kFfn}, 4);
+  at::Tensor x = test::device_randn({kBatch, kSeq, kHidden}, 1), w = test::device_randn({kFfn, kHidden}, 2),
+             b = test::device_randn({kFfn}, 3);
+  at::Tensor dy = test::device_randn({kBatch, kSeq, kFfn}, 4);
   Serial s = serial_linear(x, w, b, dy);
 
   nn::ColumnParallelLinear layer(nn::ColumnParallelLinearOptions(kHidden, kFfn), tp);
+  layer->to(test::device());
   layer->load_full(w, b);
   at::Tensor xp = x.clone().requires_grad_(true);
   at::Tensor y = layer->forward(xp);
@@ -64,11 +66,12 @@ TEST(ColumnParallelLinear, MatchesSerialWithShardedOutput) {
 
 TEST(ColumnParallelLinear, GatheredOutputIsTheFullOutput) {
   auto tp = test::world();
-  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 5), w = test::seeded_randn({kFfn, kHidden}, 6),
-             b = test::seeded_randn({kFfn}, 7);
-  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kFfn}, 8);
+  at::Tensor x = test::device_randn({kBatch, kSeq, kHidden}, 5), w = test::device_randn({kFfn, kHidden}, 6),
+             b = test::device_randn({kFfn}, 7);
+  at::Tensor dy = test::device_randn({kBatch, kSeq, kFfn}, 8);
   Serial s = serial_linear(x, w, b, dy);
   nn::ColumnParallelLinear layer(nn::ColumnParallelLinearOptions(kHidden, kFfn).gather_output(true), tp);
+  layer->to(test::device());
   layer->load_full(w, b);
   at::Tensor xp = x.clone().requires_grad_(true);
   at::Tensor y = layer->forward(xp);
@@ -82,13 +85,14 @@ TEST(ColumnParallelLinear, GatheredOutputIsTheFullOutput) {
 TEST(RowParallelLinear, MatchesSerialFromParallelAndFullInput) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = test::seeded_randn({kBatch, kSeq, kFfn}, 9), w = test::seeded_randn({kHidden, kFfn}, 10),
-             b = test::seeded_randn({kHidden}, 11);
-  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kHidden}, 12);
+  at::Tensor x = test::device_randn({kBatch, kSeq, kFfn}, 9), w = test::device_randn({kHidden, kFfn}, 10),
+             b = test::device_randn({kHidden}, 11);
+  at::Tensor dy = test::device_randn({kBatch, kSeq, kHidden}, 12);
   Serial s = serial_linear(x, w, b, dy);
   for (bool input_is_parallel : {true, false}) {
     SCOPED_TRACE(input_is_parallel ? "input_is_parallel" : "full input");
     nn::RowParallelLinear layer(nn::RowParallelLinearOptions(kFfn, kHidden).input_is_parallel(input_is_parallel), tp);
+    layer->to(test::device());
     layer->load_full(w, b);
     at::Tensor xp = (input_is_parallel ? x.chunk(n, -1)[r].contiguous() : x.clone()).requires_grad_(true);
     at::Tensor y = layer->forward(xp);
@@ -105,10 +109,10 @@ TEST(RowParallelLinear, MatchesSerialFromParallelAndFullInput) {
 TEST(ParallelMlp, MatchesSerialWithAndWithoutSequenceParallelism) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  at::Tensor x = test::seeded_randn({kBatch, kSeq, kHidden}, 13);
-  at::Tensor w1 = test::seeded_randn({kFfn, kHidden}, 14), b1 = test::seeded_randn({kFfn}, 15);
-  at::Tensor w2 = test::seeded_randn({kHidden, kFfn}, 16), b2 = test::seeded_randn({kHidden}, 17);
-  at::Tensor dy = test::seeded_randn({kBatch, kSeq, kHidden}, 18);
+  at::Tensor x = test::device_randn({kBatch, kSeq, kHidden}, 13);
+  at::Tensor w1 = test::device_randn({kFfn, kHidden}, 14), b1 = test::device_randn({kFfn}, 15);
+  at::Tensor w2 = test::device_randn({kHidden, kFfn}, 16), b2 = test::device_randn({kHidden}, 17);
+  at::Tensor dy = test::device_randn({kBatch, kSeq, kHidden}, 18);
 
   at::Tensor sx = x.clone().requires_grad_(true);
   at::Tensor sw1 = w1.clone().requires_grad_(true), sb1 = b1.clone().requires_grad_(true);
@@ -120,6 +124,8 @@ TEST(ParallelMlp, MatchesSerialWithAndWithoutSequenceParallelism) {
     SCOPED_TRACE(sp ? "sequence parallel" : "1d");
     nn::ColumnParallelLinear fc1(nn::ColumnParallelLinearOptions(kHidden, kFfn).sequence_parallel(sp), tp);
     nn::RowParallelLinear fc2(nn::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(sp), tp);
+    fc1->to(test::device());
+    fc2->to(test::device());
     fc1->load_full(w1, b1);
     fc2->load_full(w2, b2);
     // Sequence parallel: each rank holds (and gets the loss of) its sequence shard.
@@ -140,12 +146,15 @@ TEST(ParallelLinear, InitialisationEqualsTorchLinearWithTheSameSeed) {
   auto tp = test::world();
   torch::manual_seed(123);
   torch::nn::Linear serial(kHidden, kFfn);
+  serial->to(test::device());
   torch::manual_seed(123);
   nn::ColumnParallelLinear column(nn::ColumnParallelLinearOptions(kHidden, kFfn), tp);
+  column->to(test::device());
   EXPECT_TRUE(at::equal(column->full_weight(), serial->weight.detach()));
   EXPECT_TRUE(at::equal(column->full_bias(), serial->bias.detach()));
   torch::manual_seed(123);
   nn::RowParallelLinear row(nn::RowParallelLinearOptions(kHidden, kFfn), tp);
+  row->to(test::device());
   EXPECT_TRUE(at::equal(row->full_weight(), serial->weight.detach()));
   EXPECT_TRUE(at::equal(row->full_bias(), serial->bias.detach()));
 }
@@ -159,12 +168,16 @@ TEST(ParallelLinear, IndivisibleHiddenSizeIsRejected) {
   EXPECT_ERROR_CONTAINS(nn::RowParallelLinear(nn::RowParallelLinearOptions(odd, 8), tp),
                         "RowParallelLinear in_features", "not divisible");
   nn::ColumnParallelLinear ok(nn::ColumnParallelLinearOptions(8, tp->size() * 2), tp);
-  EXPECT_ERROR_CONTAINS(ok->load_full(at::zeros({3, 3}), at::zeros({3})), "load_full", "expected");
+  ok->to(test::device());
+  EXPECT_ERROR_CONTAINS(
+      ok->load_full(at::zeros({3, 3}, test::device_options()), at::zeros({3}, test::device_options())), "load_full",
+      "expected");
 }
 
 TEST(ParallelLinear, PrettyPrintAndClone) {
   auto tp = test::world();
   nn::ColumnParallelLinear layer(nn::ColumnParallelLinearOptions(kHidden, kFfn), tp);
+  layer->to(test::device());
   std::ostringstream text;
   text << *layer;
   EXPECT_NE(text.str().find("ColumnParallelLinear(in_features=12"), std::string::npos) << text.str();

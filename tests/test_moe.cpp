@@ -5,6 +5,7 @@
 // with capacity (by position and by probability), top-1 and top-2; every
 // token routed to one rank's experts; traced all-to-all bytes for a known
 // routing; and the refusals.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/comm/tracing_communicator.h"
@@ -51,24 +52,24 @@ bool g_skewed = false;
 using Weights = std::map<std::string, at::Tensor>;
 
 Weights full_weights(int64_t experts, uint64_t seed) {
-  at::Tensor router = test::seeded_randn({experts, kHidden}, seed) * 0.5;
+  at::Tensor router = test::device_randn({experts, kHidden}, seed) * 0.5;
   if (g_skewed) {
-    router = -at::ones({experts, kHidden});
+    router = -at::ones({experts, kHidden}, test::device_options());
     router[0].fill_(2.0);
     router[1].fill_(1.0);
   }
   return {{"router.weight", router},
-          {"c_fc.weight", test::seeded_randn({experts, kFfn, kHidden}, seed + 1) * 0.3},
-          {"c_fc.bias", test::seeded_randn({experts, kFfn}, seed + 2) * 0.1},
-          {"c_proj.weight", test::seeded_randn({experts, kHidden, kFfn}, seed + 3) * 0.3},
-          {"c_proj.bias", test::seeded_randn({experts, kHidden}, seed + 4) * 0.1}};
+          {"c_fc.weight", test::device_randn({experts, kFfn, kHidden}, seed + 1) * 0.3},
+          {"c_fc.bias", test::device_randn({experts, kFfn}, seed + 2) * 0.1},
+          {"c_proj.weight", test::device_randn({experts, kHidden, kFfn}, seed + 3) * 0.3},
+          {"c_proj.bias", test::device_randn({experts, kHidden}, seed + 4) * 0.1}};
 }
 
 at::Tensor tokens_of(int64_t d, int step) {
-  const at::Tensor x = test::seeded_randn({2, kTokens / 2, kHidden}, 100 + 16 * d + step);
+  const at::Tensor x = test::device_randn({2, kTokens / 2, kHidden}, 100 + 16 * d + step);
   return g_skewed ? x.abs() : x;
 }
-at::Tensor dout_of(int64_t d) { return test::seeded_randn({2, kTokens / 2, kHidden}, 900 + d); }
+at::Tensor dout_of(int64_t d) { return test::device_randn({2, kTokens / 2, kHidden}, 900 + d); }
 
 struct SerialResult {
   std::vector<at::Tensor> outputs;  // per data rank
@@ -83,9 +84,10 @@ struct SerialResult {
 SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const nn::MoEOptions& o) {
   const int64_t experts = w["router.weight"].size(0);
   SerialResult res;
-  at::Tensor loss = at::zeros({}, at::kFloat);
-  at::Tensor routed = at::zeros({experts}, at::kDouble), prob_sum = at::zeros({experts}, at::kFloat);
-  at::Tensor z_sum = at::zeros({}, at::kFloat);
+  at::Tensor loss = at::zeros({}, test::device_options(at::kFloat));
+  at::Tensor routed = at::zeros({experts}, test::device_options(at::kDouble));
+  at::Tensor prob_sum = at::zeros({experts}, test::device_options(at::kFloat));
+  at::Tensor z_sum = at::zeros({}, test::device_options(at::kFloat));
   for (int64_t d = 0; d < dp; ++d) {
     const at::Tensor x = tokens_of(d, step).reshape({-1, kHidden});
     const at::Tensor logits = at::matmul(x, w["router.weight"].t());
@@ -93,7 +95,7 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
     const auto top = probs.topk(c.top_k, -1);
     at::Tensor gates = std::get<0>(top);
     if (c.renormalize) gates = gates / gates.sum(-1, true);
-    const at::Tensor idx = std::get<1>(top);
+    const at::Tensor idx = std::get<1>(top).cpu();  // read element by element
     at::Tensor out = at::zeros_like(x);
     for (int64_t e = 0; e < experts; ++e) {
       // Assignments to e in routing order: slot-major, then token.
@@ -113,7 +115,7 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
       }
       for (const auto& [t, j] : list) {
         const at::Tensor h = at::gelu(at::linear(x[t], w["c_fc.weight"][e], w["c_fc.bias"][e]));
-        out = out.index_add(0, at::tensor({t}),
+        out = out.index_add(0, at::tensor({t}).to(test::device()),
                             (at::linear(h, w["c_proj.weight"][e], w["c_proj.bias"][e]) * gates[t][j]).unsqueeze(0));
       }
     }
@@ -164,6 +166,7 @@ ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, 
   groups.expert_data = r.ctx->comm(context::ParallelMode::kExpertData);
   groups.tokens = r.ctx->comm(context::ParallelMode::kData);
   r.moe = nn::MoE(o, groups);
+  r.moe->to(test::device());
   r.placements = nn::placements_of(*r.moe, [](const at::Tensor& p) { return nn::replicated_placement(p); });
   for (const auto& [name, p] : r.placements) nn::load_full(p, init.at(name));
   r.sharded = std::make_shared<parallel::ShardedModule>(
@@ -268,6 +271,7 @@ TEST(MoETrace, AllToAllBytesEqualTheFormulaForAKnownRouting) {
   groups.expert = ctx->comm(context::ParallelMode::kExpert);
   groups.tokens = ctx->comm(context::ParallelMode::kData);
   nn::MoE moe(options_for(kCases[0], experts), groups);
+  moe->to(test::device());
   for (const auto& [name, p] : nn::placements_of(*moe, [](const at::Tensor& t) { return nn::replicated_placement(t); }))
     nn::load_full(p, full_weights(experts, 31).at(name));
   const at::Tensor x = tokens_of(world->rank(), 0).requires_grad_();

@@ -1,6 +1,7 @@
 // ParallelDropout draws the same mask on every tensor rank when seeded for a
 // replicated activation and different masks when seeded for a sharded one
 // (Note [Dropout seeds]).
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/context/parallel_context.h"
@@ -16,8 +17,9 @@ using context::ParallelMode;
 
 // Every rank's mask of ones(shape), gathered: [size, numel].
 at::Tensor gathered_masks(nn::ParallelDropout& dropout, const comm::CommunicatorPtr& group) {
-  at::Tensor mask = dropout->forward(at::ones({64, 32})).ne(0).to(at::kFloat).reshape(-1).contiguous();
-  at::Tensor all = at::empty({group->size() * mask.numel()});
+  at::Tensor mask =
+      dropout->forward(at::ones({64, 32}, test::device_options())).ne(0).to(at::kFloat).reshape(-1).contiguous();
+  at::Tensor all = at::empty({group->size() * mask.numel()}, test::device_options());
   group->all_gather(all, mask);
   return all.reshape({group->size(), -1});
 }
@@ -27,9 +29,11 @@ TEST(ParallelDropout, ReplicatedSeedGivesOneMaskShardedSeedsDiffer) {
   auto ctx = context::ParallelContext::create(world, context::ParallelConfig().tensor(world->size()));
   auto tp = ctx->comm(ParallelMode::kTensor);
   nn::ParallelDropout replicated(nn::ParallelDropoutOptions(0.3, ctx->seed(ParallelMode::kData)));
+  replicated->to(test::device());
   at::Tensor same = gathered_masks(replicated, tp);
   for (int r = 1; r < tp->size(); ++r) EXPECT_TRUE(at::equal(same[r], same[0])) << "rank " << r;
   nn::ParallelDropout sharded(nn::ParallelDropoutOptions(0.3, ctx->seed(ParallelMode::kTensor)));
+  sharded->to(test::device());
   at::Tensor different = gathered_masks(sharded, tp);
   for (int r = 1; r < tp->size(); ++r) EXPECT_FALSE(at::equal(different[r], different[0])) << "rank " << r;
   // About 30% dropped (2048 draws: 5 standard deviations is ~0.05).
@@ -38,7 +42,8 @@ TEST(ParallelDropout, ReplicatedSeedGivesOneMaskShardedSeedsDiffer) {
 
 TEST(ParallelDropout, ScalesKeptValuesResetsAndEvalIsIdentity) {
   nn::ParallelDropout dropout(nn::ParallelDropoutOptions(0.25, 7));
-  at::Tensor x = at::full({100}, 3.0);
+  dropout->to(test::device());
+  at::Tensor x = at::full({100}, 3.0, test::device_options());
   at::Tensor y = dropout->forward(x);
   at::Tensor kept = y.masked_select(y.ne(0));
   EXPECT_TRUE(at::allclose(kept, at::full_like(kept, 4.0)));  // 3 / (1 - 0.25)
@@ -51,7 +56,8 @@ TEST(ParallelDropout, ScalesKeptValuesResetsAndEvalIsIdentity) {
 
 TEST(ParallelDropout, GradientFollowsTheMask) {
   nn::ParallelDropout dropout(nn::ParallelDropoutOptions(0.5, 11));
-  at::Tensor x = at::randn({50}).requires_grad_(true);
+  dropout->to(test::device());
+  at::Tensor x = at::randn({50}, test::device_options()).requires_grad_(true);
   at::Tensor y = dropout->forward(x);
   y.sum().backward();
   // dy/dx is mask / (1 - p): 2 where kept, 0 where dropped (randn is never exactly 0).

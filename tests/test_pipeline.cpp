@@ -5,6 +5,7 @@
 // steps, the gradients of the first and the parameters after the last, within
 // 1e-5 relative (fp32). Every schedule also moves activations far above MPI's
 // eager limits and gives the serial gradients. Bad input is refused with its value.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "reference_gpt.h"
@@ -48,7 +49,7 @@ std::shared_ptr<nn::LayerFactory> factory(const comm::CommunicatorPtr& group) {
 
 at::Tensor ids(int64_t rows, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randint(config().vocab(), {rows, kSeq}, gen, at::kLong);
+  return at::randint(config().vocab(), {rows, kSeq}, gen, at::kLong).to(test::device());
 }
 
 // SGD with momentum, not AdamW: c_attn's key bias has an exactly zero
@@ -60,7 +61,7 @@ torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(0.1).momentum(0
 // The full weights of tessera's GPT built with torch::manual_seed(7), as every
 // pipelined GPT here is (its initialisation gives the same full weights
 // whatever the layout): the serial reference starts from them. Tessera's GPT
-// serves as the source of weights only.
+// serves as the source of weights only (on the CPU: load_full_state copies them).
 std::map<std::string, at::Tensor> initial_weights() {
   auto w = test::world();
   torch::manual_seed(7);
@@ -73,6 +74,7 @@ std::map<std::string, at::Tensor> initial_weights() {
 // The serial reference GPT with those weights.
 test::ReferenceGPT reference_gpt() {
   test::ReferenceGPT gpt(test::reference_config(config()));
+  gpt->to(test::device());
   gpt->load_full_state(initial_weights());
   return gpt;
 }
@@ -135,6 +137,7 @@ void expect_matches_serial(const context::ParallelContextPtr& ctx, int m, Pipeli
   const SerialRun serial = serial_run(rows);
   torch::manual_seed(7);
   models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+  gpt->to(test::device());
   if (options.partition() == parallel::PartitionMethod::kMeasuredTime) options.sample(ids(2, 99));
   PipelineExecutor pipe(
       gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
@@ -181,6 +184,7 @@ TEST(PipelineClipping, GlobalNormOverStagesEqualsSerial) {
   auto ctx = pipeline_context();
   torch::manual_seed(7);
   models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+  gpt->to(test::device());
   PipelineExecutor pipe(
       gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
       PipelineOptions().microbatches(p));
@@ -263,6 +267,7 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
     SCOPED_TRACE(spec);
     torch::manual_seed(7);
     models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+    gpt->to(test::device());
     PipelineExecutor pipe(
         gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
         PipelineOptions().schedule(ScheduleKind::k1F1B).microbatches(kMicro));
@@ -376,8 +381,9 @@ TEST(PipelineSplitBackward, InputAndWeightPassesDoEachProductOnce) {
   const int m = 2 * p + 1;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   std::vector<at::Tensor> weights;
-  for (int i = 0; i < kLayers; ++i) weights.push_back(at::randn({kWidth, kWidth}, gen) * 0.5);
-  const at::Tensor x = at::randn({2 * m, kWidth}, gen), y = at::randn({2 * m, kWidth}, gen);
+  for (int i = 0; i < kLayers; ++i) weights.push_back((at::randn({kWidth, kWidth}, gen) * 0.5).to(test::device()));
+  const at::Tensor x = at::randn({2 * m, kWidth}, gen).to(test::device());
+  const at::Tensor y = at::randn({2 * m, kWidth}, gen).to(test::device());
   // Serial: plain LibTorch on the same weights.
   std::vector<at::Tensor> serial;
   for (const auto& w : weights) serial.push_back(w.clone().requires_grad_(true));
@@ -391,6 +397,7 @@ TEST(PipelineSplitBackward, InputAndWeightPassesDoEachProductOnce) {
     ProductCounts counts;
     torch::nn::Sequential model;
     for (const auto& w : weights) model->push_back(CountingLayer(w, &counts));
+    model->to(test::device());
     PipelineExecutor pipe(
         model, ctx, [](const at::Tensor& out, const at::Tensor& t) { return at::mse_loss(out, t); },
         PipelineOptions().schedule(kind).microbatches(m));
@@ -431,8 +438,10 @@ TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
   const int m = p + 1;                         // a steady state on every rank
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   std::vector<at::Tensor> weights;
-  for (int i = 0; i < kLayers; ++i) weights.push_back(at::randn({kWidth, kWidth}, gen) / std::sqrt(double(kWidth)));
-  const at::Tensor x = at::randn({kRows * m, kWidth}, gen), y = at::randn({kRows * m, kWidth}, gen);
+  for (int i = 0; i < kLayers; ++i)
+    weights.push_back((at::randn({kWidth, kWidth}, gen) / std::sqrt(double(kWidth))).to(test::device()));
+  const at::Tensor x = at::randn({kRows * m, kWidth}, gen).to(test::device());
+  const at::Tensor y = at::randn({kRows * m, kWidth}, gen).to(test::device());
   // Serial: plain LibTorch on the same weights.
   std::vector<at::Tensor> serial;
   for (const auto& w : weights) serial.push_back(w.clone().requires_grad_(true));
@@ -451,6 +460,7 @@ TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
     SCOPED_TRACE(parallel::to_string(c.kind));
     torch::nn::Sequential model;
     for (const auto& w : weights) model->push_back(WideLayer(w));
+    model->to(test::device());
     PipelineExecutor pipe(
         model, ctx, [](const at::Tensor& out, const at::Tensor& t) { return at::mse_loss(out, t); },
         PipelineOptions().schedule(c.kind).microbatches(m).chunks(c.chunks));
@@ -471,6 +481,7 @@ TEST(PipelineErrors, BadInputIsRefusedOnEveryRank) {
   auto ctx = pipeline_context();
   auto c = models::GPTConfig::preset("tiny");  // 2 blocks: 4 layers in sequence
   models::GPT gpt(c, factory(ctx->comm(context::ParallelMode::kTensor)));
+  gpt->to(test::device());
   auto loss = [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); };
   const std::string too_few = "needs at least " + std::to_string(5 * p) + " layers, the model has 4";
   EXPECT_ERROR_CONTAINS(PipelineExecutor(gpt->as_sequential(), ctx, loss,

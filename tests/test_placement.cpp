@@ -6,6 +6,7 @@
 //   c [8]     rows over A, partial over B (each B rank sees half of the rows)
 // z = tanh((x Wᵀ) · s + c), loss = Σ (z - t)² / rows. The serial side is the
 // same arithmetic written directly in LibTorch.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "counting_allocator.h"
 #include "test_util.h"
 
@@ -64,12 +65,12 @@ struct ToyImpl : torch::nn::Module, nn::PlacedModule {
 TORCH_MODULE(Toy);
 
 std::map<std::string, at::Tensor> initial_weights() {
-  return {{"w", test::seeded_randn({kOut, kIn}, 1) * 0.4},
-          {"s", 1.0 + test::seeded_randn({kOut}, 2) * 0.2},
-          {"c", test::seeded_randn({kOut}, 3) * 0.1}};
+  return {{"w", test::device_randn({kOut, kIn}, 1) * 0.4},
+          {"s", 1.0 + test::device_randn({kOut}, 2) * 0.2},
+          {"c", test::device_randn({kOut}, 3) * 0.1}};
 }
-at::Tensor batch_x(int step, int64_t rows) { return test::seeded_randn({rows, kIn}, 100 + step); }
-at::Tensor batch_t(int step, int64_t rows) { return test::seeded_randn({rows, kOut}, 200 + step) * 0.5; }
+at::Tensor batch_x(int step, int64_t rows) { return test::device_randn({rows, kIn}, 100 + step); }
+at::Tensor batch_t(int step, int64_t rows) { return test::device_randn({rows, kOut}, 200 + step) * 0.5; }
 
 // Plain LibTorch: losses, gradient norms (before each step) and the weights after kSteps AdamW steps.
 struct Serial {
@@ -111,6 +112,7 @@ ToyRun make_run(const context::ParallelContextPtr& ctx, comm::CommunicatorPtr a,
              const std::string& spec) {
   ToyRun r;
   r.toy = Toy(std::move(a), std::move(b));
+  r.toy->to(test::device());
   for (const auto& [name, p] : r.toy->placements()) nn::load_full(p, initial_weights().at(name));
   const auto placements = r.toy->placements();
   r.sharded = std::make_shared<parallel::ShardedModule>(
@@ -151,6 +153,7 @@ TEST(Placement, RegionsAndGroupsOfATwoDimensionalShard) {
       world, context::ParallelConfig().tensor(4).tensor_mode(context::TensorMode::k2D));
   auto a = ctx->comm(context::ParallelMode::k2DRow), b = ctx->comm(context::ParallelMode::k2DCol);
   Toy toy(a, b);
+  toy->to(test::device());
   const auto p = toy->placements();
   ASSERT_EQ(p.size(), 3u);
   EXPECT_EQ(p[0].second.full_shape, (std::vector<int64_t>{kOut, kIn}));
@@ -162,10 +165,10 @@ TEST(Placement, RegionsAndGroupsOfATwoDimensionalShard) {
   ASSERT_EQ(p[2].second.gradient_groups().size(), 1u);
   EXPECT_EQ(p[2].second.gradient_groups()[0].get(), b.get());
   // Two axes sharding one dimension nest in order: a outer, b inner.
-  auto nested = nn::replicated_placement(at::zeros({2, 3})).shard("x", a, 0).shard("y", b, 0);
+  auto nested = nn::replicated_placement(at::zeros({2, 3}, test::device_options())).shard("x", a, 0).shard("y", b, 0);
   EXPECT_EQ(nested.full_shape[0], 8);
   EXPECT_EQ(nested.offset[0], (a->rank() * 2 + b->rank()) * 2);
-  const at::Tensor full = at::arange(24, at::kFloat).view({8, 3});
+  const at::Tensor full = at::arange(24, test::device_options()).view({8, 3});
   nn::load_full(nested, full);
   EXPECT_TRUE(at::equal(nn::gather_full(nested, nested.param), full));
 }
@@ -217,11 +220,12 @@ TEST(Placement, TwoDimensionalShardUnderZero2EqualsSerialAndReshards) {
 }
 
 // An index of the first format (one sharded dimension: dim, offset, length) still loads.
+// Files and the reader's CPU tensors only: on the CPU whatever the device.
 TEST(Placement, VersionOneCheckpointIndexIsRead) {
   auto world = test::world();
   const std::string dir = "placement_v1_checkpoint_" + std::to_string(world->size());
   if (world->rank() == 0) {
-    std::filesystem::remove_all(dir);
+    remove_tree(dir);
     std::filesystem::create_directories(dir);
     const at::Tensor full = at::arange(12, at::kFloat).view({4, 3});
     write_safetensors(dir + "/rank-00000.safetensors",
@@ -250,6 +254,7 @@ TEST(Placement, VersionOneCheckpointIndexIsRead) {
 // Construction draws only what a rank holds (Note [Layout-independent
 // initialization]): GPT-medium-sized layers (hidden 1024, 16 heads, vocabulary
 // 50257, context 1024; 2 blocks to keep the test short) at tensor size 4.
+// Modules are built on the CPU whatever the device: this test stays there.
 TEST(Placement, ConstructionMemoryIsTheLocalShardPlusOneBlock) {
   auto world = test::world();
   if (world->size() % 4 != 0) GTEST_SKIP() << "tensor size 4 needs a world that is a multiple of 4";
@@ -285,8 +290,10 @@ TEST(Placement, InitializationDoesNotDependOnTheLayout) {
   const models::GPTConfig config = models::GPTConfig::preset("tiny");
   torch::manual_seed(9);
   models::GPT parallel(config, nn::make_layer_factory(ctx, /*sequence_parallel=*/true));
+  parallel->to(test::device());
   torch::manual_seed(9);
   models::GPT serial(config, nn::make_layer_factory(one));
+  serial->to(test::device());
   const auto a = parallel->full_state(), b = serial->full_state();
   ASSERT_EQ(a.size(), b.size());
   for (const auto& [name, value] : b) EXPECT_TRUE(at::equal(a.at(name), value)) << name;

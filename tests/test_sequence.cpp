@@ -4,6 +4,7 @@
 // with 1D tensor parallelism and data parallelism; the traced bytes of each
 // attention against its formula; the largest allocation of ring attention;
 // and the refusals.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "counting_allocator.h"
@@ -52,7 +53,7 @@ const std::vector<ModeCase> kCases = {
 at::Tensor serial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t s = q.size(2);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  const at::Tensor future = at::ones({s, s}, at::kBool).triu(1);
+  const at::Tensor future = at::ones({s, s}, test::device_options(at::kBool)).triu(1);
   return at::matmul(at::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1), v);
 }
 
@@ -84,18 +85,19 @@ TEST_P(SequenceAttention, EqualsSerialAttention) {
   for (auto dtype : {at::kFloat, at::kDouble}) {
     SCOPED_TRACE(c10::toString(dtype));
     const double tol = dtype == at::kFloat ? kRelTolerance : 1e-12;
-    at::Tensor q = test::seeded_randn({b, h, s, d}, 1, dtype).requires_grad_();
-    at::Tensor k = test::seeded_randn({b, h, s, d}, 2, dtype).requires_grad_();
-    at::Tensor v = test::seeded_randn({b, h, s, d}, 3, dtype).requires_grad_();
-    const at::Tensor dout = test::seeded_randn({b, h, s, d}, 4, dtype);
+    at::Tensor q = test::device_randn({b, h, s, d}, 1, dtype).requires_grad_();
+    at::Tensor k = test::device_randn({b, h, s, d}, 2, dtype).requires_grad_();
+    at::Tensor v = test::device_randn({b, h, s, d}, 3, dtype).requires_grad_();
+    const at::Tensor dout = test::device_randn({b, h, s, d}, 4, dtype);
     const at::Tensor out = serial_attention(q, k, v);
     out.backward(dout);
 
     nn::SequenceLayout layout(p, group->rank(), GetParam().split);
-    const at::Tensor pos = layout.positions(s);
+    const at::Tensor pos = layout.positions(s).to(test::device());
     auto local = [&](const at::Tensor& t) { return t.detach().index_select(2, pos).requires_grad_(); };
     at::Tensor lq = local(q), lk = local(k), lv = local(v);
     auto attention = make_attention(GetParam(), d, group);
+    attention.ptr()->to(test::device());
     const at::Tensor lout = attention.forward(lq, lk, lv, pos);
     lout.backward(dout.index_select(2, pos));
     EXPECT_LE(rel_error(lout.detach(), out.detach().index_select(2, pos)), tol);
@@ -123,7 +125,8 @@ void zero_grads(torch::nn::Module& m) {
 // ignores the key bias, so its gradient is rounding noise that AdamW amplifies.
 at::Tensor without_key_bias(const at::Tensor& bias, const models::GPTConfig& c) {
   const int64_t d = c.hidden() / c.heads();
-  return bias.view({c.heads(), 3, d}).index_select(1, at::tensor({0, 2}, at::kLong)).reshape({-1});
+  const at::Tensor query_and_value = at::tensor({0, 2}, at::kLong).to(test::device());
+  return bias.view({c.heads(), 3, d}).index_select(1, query_and_value).reshape({-1});
 }
 
 void expect_weights_equal(const std::map<std::string, at::Tensor>& serial, models::GPTImpl& gpt,
@@ -169,8 +172,10 @@ TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
       const auto full = test::gpt_initial_weights(c, 7);
       auto ctx = context::ParallelContext::create(world, config);
       test::ReferenceGPT serial(test::reference_config(c));
+      serial->to(test::device());
       serial->load_full_state(full);
       models::GPT gpt(c, nn::make_layer_factory(ctx));
+      gpt->to(test::device());
       EXPECT_EQ(gpt->factory()->mode(), "1d+" + context::sequence_mode_name(config.sequence_mode()));
       gpt->load_full_state(full);
       if (fp64) {
@@ -183,8 +188,8 @@ TEST_P(SequenceGPT, MatchesSerialIncludingFiveAdamWSteps) {
       for (int step = 0; step <= 5; ++step) {
         zero_grads(*serial);
         zero_grads(*gpt);
-        const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq);
-        at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq);
+        const at::Tensor ids = test::seeded_token_ids(10 + step, c.vocab(), kBatch, kSeq).to(test::device());
+        at::Tensor targets = test::seeded_token_ids(20 + step, c.vocab(), kBatch, kSeq).to(test::device());
         targets[0][kSeq - 1] = -100;  // ignored targets: the mean counts the others only
         targets[1][2] = -100;
         const at::Tensor serial_logits = serial->forward(ids);
@@ -233,14 +238,15 @@ TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
   for (const ModeCase& m : kCases) {
     SCOPED_TRACE(context::sequence_mode_name(m.mode) + " " + context::sequence_split_name(m.split));
     nn::SequenceLayout layout(p, group->rank(), m.split);
-    const at::Tensor pos = layout.positions(s);
+    const at::Tensor pos = layout.positions(s).to(test::device());
     auto local = [&](uint64_t seed) {
-      return test::seeded_randn({b, h, s, d}, seed).index_select(2, pos).requires_grad_();
+      return test::device_randn({b, h, s, d}, seed).index_select(2, pos).requires_grad_();
     };
     at::Tensor q = local(1), k = local(2), v = local(3);
     auto attention = make_attention(m, d, group);
+    attention.ptr()->to(test::device());
     options.trace->reset();
-    attention.forward(q, k, v, pos).backward(test::seeded_randn({b, h, s, d}, 4).index_select(2, pos));
+    attention.forward(q, k, v, pos).backward(test::device_randn({b, h, s, d}, 4).index_select(2, pos));
     const std::string name = group->name();
     const auto send = options.trace->get(name, comm::OpType::kSend);
     const auto recv = options.trace->get(name, comm::OpType::kRecv);
@@ -273,6 +279,7 @@ TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
 // peak memory for one forward and backward is at most 1/P of the serial
 // attention's plus one block. Measured with the counting allocator.
 TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
+  if (test::device().is_cuda()) GTEST_SKIP() << "counts CPU allocations";
   auto group = test::world();
   const int p = group->size();
   if (p == 1 || p > 4) GTEST_SKIP() << "runs at 2 to 4 ranks";
@@ -285,8 +292,8 @@ TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
     fn();
     return std::make_pair(counter.peak() - before, counter.largest());
   };
-  const at::Tensor q = test::seeded_randn({b, h, s, d}, 1), k = test::seeded_randn({b, h, s, d}, 2);
-  const at::Tensor v = test::seeded_randn({b, h, s, d}, 3), dout = test::seeded_randn({b, h, s, d}, 4);
+  const at::Tensor q = test::device_randn({b, h, s, d}, 1), k = test::device_randn({b, h, s, d}, 2);
+  const at::Tensor v = test::device_randn({b, h, s, d}, 3), dout = test::device_randn({b, h, s, d}, 4);
   const auto serial = measure([&] {
     at::Tensor sq = q.clone().requires_grad_(), sk = k.clone().requires_grad_(), sv = v.clone().requires_grad_();
     serial_attention(sq, sk, sv).backward(dout);
@@ -294,11 +301,12 @@ TEST(SequenceAttentionMemory, RingHoldsBlocksOnly) {
   for (SequenceSplit split : {SequenceSplit::kContiguous, SequenceSplit::kZigzag}) {
     SCOPED_TRACE(context::sequence_split_name(split));
     nn::SequenceLayout layout(p, group->rank(), split);
-    const at::Tensor pos = layout.positions(s);
+    const at::Tensor pos = layout.positions(s).to(test::device());
     const auto ring = measure([&] {
       at::Tensor lq = q.index_select(2, pos).requires_grad_(), lk = k.index_select(2, pos).requires_grad_();
       at::Tensor lv = v.index_select(2, pos).requires_grad_();
       nn::RingAttention attention(d, no_dropout(), group, layout);
+      attention->to(test::device());
       attention->forward(lq, lk, lv, pos).backward(dout.index_select(2, pos));
     });
     const int64_t kv_block = 2 * b * h * n * d * 4;
@@ -322,14 +330,15 @@ TEST(SequenceAttention, RingDropoutBackwardUsesTheForwardMasks) {
   for (SequenceSplit split : {SequenceSplit::kContiguous, SequenceSplit::kZigzag}) {
     SCOPED_TRACE(context::sequence_split_name(split));
     nn::SequenceLayout layout(p, group->rank(), split);
-    const at::Tensor pos = layout.positions(s);
+    const at::Tensor pos = layout.positions(s).to(test::device());
     auto local = [&](uint64_t seed) {
-      return test::seeded_randn({b, h, s, d}, seed, at::kDouble).index_select(2, pos).requires_grad_();
+      return test::device_randn({b, h, s, d}, seed, at::kDouble).index_select(2, pos).requires_grad_();
     };
     std::vector<at::Tensor> qkv = {local(1), local(2), local(3)};
-    const at::Tensor w = test::seeded_randn({b, h, s, d}, 4, at::kDouble).index_select(2, pos);
+    const at::Tensor w = test::device_randn({b, h, s, d}, 4, at::kDouble).index_select(2, pos);
     nn::ParallelDropout drop(nn::ParallelDropoutOptions(0.3, 11 + group->rank()));
     nn::RingAttention attention(d, drop, group, layout);
+    attention->to(test::device());  // its dropout too
     const auto state = drop->rng_state();
     auto global_sum = [&](const at::Tensor& out) {
       at::Tensor total = (out * w).sum().detach().clone().reshape({1});
@@ -341,6 +350,7 @@ TEST(SequenceAttention, RingDropoutBackwardUsesTheForwardMasks) {
     drop->set_rng_state(state);
     EXPECT_TRUE(at::equal(attention->forward(qkv[0], qkv[1], qkv[2], pos), out.detach())) << "same stream, same masks";
     nn::RingAttention undropped(d, no_dropout(), group, layout);
+    undropped->to(test::device());
     EXPECT_GT(rel_error(out.detach(), undropped->forward(qkv[0], qkv[1], qkv[2], pos).detach()), 1e-3);
     const double eps = 1e-6;
     for (int which = 0; which < 3; ++which) {
@@ -372,20 +382,22 @@ TEST(SequenceRefusals, EveryRankGetsTheMessage) {
   const models::GPTConfig c = models::GPTConfig::preset("tiny");
   auto make = [&](ParallelConfig config) {
     auto ctx = context::ParallelContext::create(world, config.sequence(p));
-    return models::GPT(c, nn::make_layer_factory(ctx));
+    models::GPT gpt(c, nn::make_layer_factory(ctx));
+    gpt->to(test::device());
+    return gpt;
   };
   // A sequence that does not divide into the split's chunks.
-  const at::Tensor odd = test::seeded_token_ids(1, c.vocab(), 2, 2 * p + 1);
+  const at::Tensor odd = test::seeded_token_ids(1, c.vocab(), 2, 2 * p + 1).to(test::device());
   EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kRing))->forward(odd),
                         "does not divide into", "equal chunks");
-  const at::Tensor p_only = test::seeded_token_ids(1, c.vocab(), 2, 3 * p);
+  const at::Tensor p_only = test::seeded_token_ids(1, c.vocab(), 2, 3 * p).to(test::device());
   EXPECT_ERROR_CONTAINS(
       make(ParallelConfig().sequence_mode(SequenceMode::kRing).sequence_split(SequenceSplit::kZigzag))->forward(p_only),
       "zigzag split", "2 chunks per rank");
   // Ulysses needs whole heads per sequence rank (the tiny GPT has 4).
   if (4 % p != 0) {
     EXPECT_ERROR_CONTAINS(make(ParallelConfig().sequence_mode(SequenceMode::kUlysses))
-                              ->forward(test::seeded_token_ids(1, c.vocab(), 2, 4 * p)),
+                              ->forward(test::seeded_token_ids(1, c.vocab(), 2, 4 * p).to(test::device())),
                           "heads (per tensor rank) do not divide over");
   }
   // Sequence parallelism runs on 1D, without the 1D sequence-parallel variant.

@@ -4,6 +4,7 @@
 // VocabEmbedding2D. 4 ranks run 2D with q = 2 (and, with
 // TESSERA_TEST_2P5D_DEPTH1 set, 2.5D with q = 2, d = 1), 8 ranks 2.5D with
 // q = 2, d = 2; one rank runs the same code on 1 x 1 groups.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
@@ -76,8 +77,8 @@ TEST(Summa, ThreeProductsEqualSerial) {
   Grid g;
   if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
   const int64_t m = 6 * g.q, k = 4 * g.q, n = 10 * g.q;
-  const at::Tensor a = test::seeded_randn({m, k}, 1), b = test::seeded_randn({k, n}, 2);
-  const at::Tensor c = test::seeded_randn({m, n}, 3);  // plays dC in the backward products
+  const at::Tensor a = test::device_randn({m, k}, 1), b = test::device_randn({k, n}, 2);
+  const at::Tensor c = test::device_randn({m, n}, 3);  // plays dC in the backward products
   const int i = g.i(), j = g.j(), q = g.q;
   const at::Tensor ab = nn::raw::summa_ab(block(a, i, j, q, q), block(b, i, j, q, q), *g.row, *g.col);
   EXPECT_LE(test::rel_error(ab, block(at::mm(a, b), i, j, q, q)), kTolerance) << g.what();
@@ -98,15 +99,17 @@ at::Tensor local_activation(const at::Tensor& full, const Grid& g) {
   return full.narrow(0, g.batch->rank() * rows, rows).narrow(-1, g.j() * cols, cols).contiguous();
 }
 
-at::Tensor input(int step) { return test::seeded_randn({kBatch, kSeq, kIn}, 10 + step); }
-at::Tensor probe(int step) { return test::seeded_randn({kBatch, kSeq, kOut}, 20 + step); }
+at::Tensor input(int step) { return test::device_randn({kBatch, kSeq, kIn}, 10 + step); }
+at::Tensor probe(int step) { return test::device_randn({kBatch, kSeq, kOut}, 20 + step); }
 
 TEST(Linear2D, OutputGradientsAndAdamWStepsEqualSerial) {
   Grid g;
   if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
   torch::manual_seed(7);
   torch::nn::Linear serial(kIn, kOut);
+  serial->to(test::device());
   nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
+  layer->to(test::device());
   layer->load_full(serial->weight.detach(), serial->bias.detach());
   EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach())) << g.what();
 
@@ -145,12 +148,14 @@ TEST(LayerNorm2D, OutputGradientsAndAdamWStepsEqualSerial) {
   if (!make_grid(&g)) GTEST_SKIP() << "runs at 1, 4 and 8 ranks";
   constexpr int64_t kHidden = 12;
   torch::nn::LayerNorm serial(torch::nn::LayerNormOptions({kHidden}));
+  serial->to(test::device());
   nn::LayerNorm2D layer(nn::LayerNorm2DOptions(kHidden), g.row, g.col, g.depth);
+  layer->to(test::device());
   const auto placements = layer->local_placements();
   {  // Weights other than ones and zeros, so that their gradients matter.
     at::NoGradGuard no_grad;
-    serial->weight.copy_(1.0 + 0.3 * test::seeded_randn({kHidden}, 31));
-    serial->bias.copy_(0.2 * test::seeded_randn({kHidden}, 32));
+    serial->weight.copy_(1.0 + 0.3 * test::device_randn({kHidden}, 31));
+    serial->bias.copy_(0.2 * test::device_randn({kHidden}, 32));
     nn::load_full(placements[0].second, serial->weight);
     nn::load_full(placements[1].second, serial->bias);
   }
@@ -161,8 +166,8 @@ TEST(LayerNorm2D, OutputGradientsAndAdamWStepsEqualSerial) {
     serial_opt.zero_grad();
     opt.zero_grad();
     // An offset and scale per token so that the statistics are not trivial.
-    const at::Tensor x_in = 3.0 * test::seeded_randn({kBatch, kSeq, kHidden}, 40 + step) + 1.5;
-    const at::Tensor p = test::seeded_randn({kBatch, kSeq, kHidden}, 50 + step);
+    const at::Tensor x_in = 3.0 * test::device_randn({kBatch, kSeq, kHidden}, 40 + step) + 1.5;
+    const at::Tensor p = test::device_randn({kBatch, kSeq, kHidden}, 50 + step);
     at::Tensor x_full = x_in.clone().requires_grad_();
     at::Tensor y_full = serial->forward(x_full);
     (y_full * p).sum().backward();
@@ -195,7 +200,9 @@ TEST(VocabEmbedding2D, OutputGradientsAndAdamWStepsEqualSerial) {
   constexpr int64_t kVocab = 11, kHidden = 12;
   torch::manual_seed(3);
   torch::nn::Embedding serial(kVocab, kHidden);
+  serial->to(test::device());
   nn::VocabEmbedding2D layer(nn::VocabEmbedding2DOptions(kVocab, kHidden), g.row, g.col, g.depth);
+  layer->to(test::device());
   layer->load_full(serial->weight.detach());
   EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach())) << g.what();
   const auto placements = layer->local_placements();
@@ -206,8 +213,8 @@ TEST(VocabEmbedding2D, OutputGradientsAndAdamWStepsEqualSerial) {
     serial_opt.zero_grad();
     opt.zero_grad();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(60 + step);
-    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
-    const at::Tensor p = test::seeded_randn({kBatch, kSeq, kHidden}, 70 + step);
+    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong).to(test::device());
+    const at::Tensor p = test::device_randn({kBatch, kSeq, kHidden}, 70 + step);
     at::Tensor y_full = serial->forward(ids);
     (y_full * p).sum().backward();
 
@@ -229,7 +236,8 @@ TEST(VocabEmbedding2D, BadIdOnOneBlockIsRefusedEverywhere) {
   Grid g;
   if (!make_grid(&g) || g.q == 1) GTEST_SKIP() << "runs at 4 and 8 ranks";
   nn::VocabEmbedding2D layer(nn::VocabEmbedding2DOptions(11, 12), g.row, g.col, g.depth);
-  at::Tensor ids = at::zeros({2, 3}, at::kLong);
+  layer->to(test::device());
+  at::Tensor ids = at::zeros({2, 3}, test::device_options(at::kLong));
   if (g.batch->rank() == g.batch->size() - 1) ids[1][2] = 11;
   EXPECT_ERROR_CONTAINS(layer->forward(ids), "token id 11 is out of range", "[0, num_embeddings = 11)");
 }
@@ -244,11 +252,17 @@ TEST(Tensor2D, TiedHeadChainEqualsSerial) {
   constexpr int64_t kVocab = 11, kHidden = 12;
   torch::manual_seed(5);
   torch::nn::Embedding s_emb(kVocab, kHidden);
+  s_emb->to(test::device());
   torch::nn::LayerNorm s_ln(torch::nn::LayerNormOptions({kHidden}));
+  s_ln->to(test::device());
   torch::nn::Linear s_fc(kHidden, kHidden);
+  s_fc->to(test::device());
   nn::VocabEmbedding2D emb(nn::VocabEmbedding2DOptions(kVocab, kHidden), g.row, g.col, g.depth);
+  emb->to(test::device());
   nn::LayerNorm2D ln(nn::LayerNorm2DOptions(kHidden), g.row, g.col, g.depth);
+  ln->to(test::device());
   nn::Linear2D fc(nn::Linear2DOptions(kHidden, kHidden), g.row, g.col, g.depth);
+  fc->to(test::device());
   emb->load_full(s_emb->weight.detach());
   fc->load_full(s_fc->weight.detach(), s_fc->bias.detach());
   nn::NamedPlacements placements;
@@ -267,8 +281,8 @@ TEST(Tensor2D, TiedHeadChainEqualsSerial) {
     serial_opt.zero_grad();
     opt.zero_grad();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(80 + step);
-    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
-    const at::Tensor targets = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
+    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong).to(test::device());
+    const at::Tensor targets = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong).to(test::device());
     at::Tensor h = s_fc->forward(s_ln->forward(s_emb->forward(ids)));
     at::Tensor serial_loss = torch::nn::functional::cross_entropy(
         at::matmul(h, s_emb->weight.t()).reshape({-1, kVocab}), targets.reshape({-1}));
@@ -309,6 +323,7 @@ TEST(Linear2D, TracedBytesEqualTheSummaFormula) {
   Grid g;
   if (!make_grid(&g, comm::make_world_communicator(options)) || g.q == 1) GTEST_SKIP() << "runs at 4 and 8 ranks";
   nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
+  layer->to(test::device());
   at::Tensor x = local_activation(input(0), g).requires_grad_();
   options.trace->reset();
   layer->forward(x).sum().backward();
@@ -334,7 +349,9 @@ TEST(Linear2D, BadShapesAreRefused) {
   EXPECT_ERROR_CONTAINS(nn::Linear2D(nn::Linear2DOptions(kIn, 21), g.row, g.col, g.depth),
                         "Linear2D out_features (21) is not divisible", "choose sizes divisible by q");
   nn::Linear2D layer(nn::Linear2DOptions(kIn, kOut), g.row, g.col, g.depth);
-  EXPECT_ERROR_CONTAINS(layer->forward(at::zeros({2, kIn})), "Linear2D: input has 12 features", "= 6 expected");
+  layer->to(test::device());
+  EXPECT_ERROR_CONTAINS(layer->forward(at::zeros({2, kIn}, test::device_options())), "Linear2D: input has 12 features",
+                        "= 6 expected");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // VocabEmbedding3D (with its tied head); the traced bytes of one linear
 // against the paper's formula; bad shapes. 8 ranks run q = 2; one rank runs
 // the same code on 1 x 1 x 1 groups.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
@@ -58,8 +59,8 @@ at::Tensor layout(const at::Tensor& full, const Cube& c, bool a) {
   return full.narrow(0, (c.k() * q + sub) * rows, rows).narrow(-1, block * cols, cols).contiguous();
 }
 
-at::Tensor input(int64_t features, int step) { return test::seeded_randn({kBatch, kSeq, features}, 10 + step); }
-at::Tensor probe(int64_t features, int step) { return test::seeded_randn({kBatch, kSeq, features}, 20 + step); }
+at::Tensor input(int64_t features, int step) { return test::device_randn({kBatch, kSeq, features}, 10 + step); }
+at::Tensor probe(int64_t features, int step) { return test::device_randn({kBatch, kSeq, features}, 20 + step); }
 
 // Both roles: a column-role layer reads layout A and writes B; a row-role
 // layer (input and output groups swapped) reads B and writes A.
@@ -70,8 +71,10 @@ TEST(Linear3D, OutputGradientsAndAdamWStepsEqualSerialInBothRoles) {
     SCOPED_TRACE(column ? "column role" : "row role");
     torch::manual_seed(7);
     torch::nn::Linear serial(kIn, kOut);
+    serial->to(test::device());
     nn::Linear3D layer(nn::Linear3DOptions(kIn, kOut), column ? c.input : c.output, c.weight,
                        column ? c.output : c.input);
+    layer->to(test::device());
     layer->load_full(serial->weight.detach(), serial->bias.detach());
     EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach()));
     torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01));
@@ -111,7 +114,9 @@ TEST(VocabEmbedding3D, LookupTiedHeadAndAdamWStepsEqualSerial) {
   constexpr int64_t kVocab = 11, kHidden = 8;  // vocabulary padded to 12 at q = 2
   torch::manual_seed(3);
   torch::nn::Embedding serial(kVocab, kHidden);
+  serial->to(test::device());
   nn::VocabEmbedding3D layer(nn::VocabEmbedding3DOptions(kVocab, kHidden), c.input, c.weight, c.output);
+  layer->to(test::device());
   layer->load_full(serial->weight.detach());
   EXPECT_TRUE(at::equal(layer->full_weight(), serial->weight.detach()));
   torch::optim::AdamW serial_opt(serial->parameters(), torch::optim::AdamWOptions(0.05));
@@ -122,7 +127,7 @@ TEST(VocabEmbedding3D, LookupTiedHeadAndAdamWStepsEqualSerial) {
     serial_opt.zero_grad();
     opt.zero_grad();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(40 + step);
-    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong);
+    const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, gen, at::kLong).to(test::device());
     const at::Tensor x_full = input(kHidden, step);
     const at::Tensor h_full = serial->forward(ids);
     const at::Tensor logits_full = at::matmul(x_full, serial->weight.t());
@@ -157,6 +162,7 @@ TEST(Linear3D, TracedBytesEqualThePaperFormula) {
   Cube c;
   if (!make_cube(&c, comm::make_world_communicator(options)) || c.q == 1) GTEST_SKIP() << "runs at 8 ranks";
   nn::Linear3D layer(nn::Linear3DOptions(kIn, kOut), c.input, c.weight, c.output);
+  layer->to(test::device());
   const at::Tensor x = layout(input(kIn, 0), c, true).requires_grad_();
   options.trace->reset();
   layer->forward(x).sum().backward();
@@ -184,8 +190,10 @@ TEST(Linear3D, BadShapesAreRefused) {
   EXPECT_ERROR_CONTAINS(nn::Linear3D(nn::Linear3DOptions(8, 5), c.input, c.weight, c.output),
                         "Linear3D out_features (5) is not divisible");
   nn::VocabEmbedding3D emb(nn::VocabEmbedding3DOptions(11, 8), c.input, c.weight, c.output);
-  EXPECT_ERROR_CONTAINS(emb->forward(at::zeros({6, kSeq}, at::kLong)), "batch size 6 is not divisible by q*q = 4");
-  at::Tensor ids = at::zeros({kBatch, kSeq}, at::kLong);
+  emb->to(test::device());
+  EXPECT_ERROR_CONTAINS(emb->forward(at::zeros({6, kSeq}, test::device_options(at::kLong))),
+                        "batch size 6 is not divisible by q*q = 4");
+  at::Tensor ids = at::zeros({kBatch, kSeq}, test::device_options(at::kLong));
   ids[kBatch - 1][0] = 11;
   EXPECT_ERROR_CONTAINS(emb->forward(ids), "token id 11 is out of range");
 }

@@ -7,6 +7,7 @@
 // test_functional.cpp: a replicated output gets the same loss on every rank,
 // a sharded one gets each rank's part, and either way the shards' gradients
 // gathered are the serial gradient.
+// Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
 #include "tessera/comm/functional.h"
@@ -37,12 +38,12 @@ using test::rel_error;
 // Identical on every rank: every rank seeds its own generator alike.
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
-// Ids in [0, vocab), with both ends of the vocabulary present.
+// Ids in [0, vocab), with both ends of the vocabulary present, on the test device.
 at::Tensor seeded_ids(int64_t vocab, uint64_t seed) {
   at::Tensor ids = at::randint(0, vocab, {kBatch, kSeq}, generator(seed), at::TensorOptions().dtype(at::kLong));
   ids[0][0] = 0;
   ids[0][1] = vocab - 1;
-  return ids;
+  return ids.to(test::device());
 }
 
 // ---------------------------------------------------------------------------
@@ -51,9 +52,9 @@ at::Tensor seeded_ids(int64_t vocab, uint64_t seed) {
 void check_embedding(int64_t vocab, bool sequence_parallel) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  const at::Tensor w = test::seeded_randn({vocab, kDim}, 1);
+  const at::Tensor w = test::device_randn({vocab, kDim}, 1);
   const at::Tensor ids = seeded_ids(vocab, 2);
-  const at::Tensor dy = test::seeded_randn({kBatch, kSeq, kDim}, 3);
+  const at::Tensor dy = test::device_randn({kBatch, kSeq, kDim}, 3);
 
   at::Tensor ws = w.clone().requires_grad_(true);
   at::Tensor ys = F::embedding(ids, ws);
@@ -61,6 +62,7 @@ void check_embedding(int64_t vocab, bool sequence_parallel) {
 
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(vocab, kDim).sequence_parallel(sequence_parallel),
                                  tp);
+  emb->to(test::device());
   emb->load_full(w);
   at::Tensor y = emb->forward(ids);
   if (sequence_parallel) {
@@ -82,13 +84,14 @@ TEST(VocabParallelEmbedding, ShardsThePaddedVocabulary) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
+  emb->to(test::device());
   const int64_t padded = (kPaddedVocab + n - 1) / n * n;
   EXPECT_EQ(emb->padded_vocab(), padded);
   EXPECT_EQ(emb->vocab_start(), r * padded / n);
   EXPECT_EQ(emb->vocab_end(), (r + 1) * padded / n);
   EXPECT_EQ(emb->weight.sizes(), (std::vector<int64_t>{padded / n, kDim}));
 
-  const at::Tensor w = test::seeded_randn({kPaddedVocab, kDim}, 4);
+  const at::Tensor w = test::device_randn({kPaddedVocab, kDim}, 4);
   emb->load_full(w);
   EXPECT_TRUE(torch::equal(emb->full_weight(), w));
   const at::Tensor padded_table = nn::unshard(emb->weight, 0, *tp);
@@ -103,15 +106,18 @@ TEST(VocabParallelEmbedding, InitEqualsSerialEmbedding) {
   auto tp = test::world();
   torch::manual_seed(1234);
   torch::nn::Embedding serial(kPaddedVocab, kDim);
+  serial->to(test::device());
   torch::manual_seed(1234);
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
+  emb->to(test::device());
   EXPECT_TRUE(torch::equal(emb->full_weight(), serial->weight.detach()));
 }
 
 TEST(VocabParallelEmbedding, CloneKeepsTheShard) {
   auto tp = test::world();
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
-  emb->load_full(test::seeded_randn({kPaddedVocab, kDim}, 5));
+  emb->to(test::device());
+  emb->load_full(test::device_randn({kPaddedVocab, kDim}, 5));
   auto copy = std::dynamic_pointer_cast<nn::VocabParallelEmbeddingImpl>(emb->clone());
   ASSERT_NE(copy, nullptr);
   EXPECT_TRUE(torch::equal(copy->weight, emb->weight));
@@ -127,13 +133,14 @@ TEST(VocabParallelEmbedding, SequenceParallelMatchesSerialPaddedVocab) { check_e
 TEST(VocabParallelEmbedding, RejectsBadIdsAndShapes) {
   auto tp = test::world();
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
+  emb->to(test::device());
   at::Tensor ids = seeded_ids(kPaddedVocab, 6);
   ids[1][3] = kPaddedVocab;
   EXPECT_ERROR_CONTAINS(emb->forward(ids), "token id 10 is out of range", "[0, num_embeddings = 10)");
   ids[1][3] = -3;
   EXPECT_ERROR_CONTAINS(emb->forward(ids), "token id -3 is out of range");
   EXPECT_ERROR_CONTAINS(emb->forward(ids.to(at::kFloat)), "ids must be int64 or int32");
-  EXPECT_ERROR_CONTAINS(emb->load_full(test::seeded_randn({12, kDim}, 7)), "[12, 8] given", "[10, 8] expected");
+  EXPECT_ERROR_CONTAINS(emb->load_full(test::device_randn({12, kDim}, 7)), "[12, 8] given", "[10, 8] expected");
 }
 
 // ---------------------------------------------------------------------------
@@ -169,11 +176,11 @@ struct CrossEntropyCase {
 void check_cross_entropy(const CrossEntropyCase& c) {
   auto tp = test::world();
   const int r = tp->rank(), n = tp->size();
-  const at::Tensor logits = test::seeded_randn({kBatch, kSeq, c.vocab}, 11, c.dtype) * c.scale;
+  const at::Tensor logits = test::device_randn({kBatch, kSeq, c.vocab}, 11, c.dtype) * c.scale;
   at::Tensor target = seeded_ids(c.vocab, 12);
   target[0][2] = c.ignore_index;
   target[1][5] = c.ignore_index;
-  const at::Tensor dl = test::seeded_randn({kBatch, kSeq}, 13, c.dtype);  // upstream gradient for kNone
+  const at::Tensor dl = test::device_randn({kBatch, kSeq}, 13, c.dtype);  // upstream gradient for kNone
 
   at::Tensor ls = logits.clone().requires_grad_(true);
   at::Tensor loss_s =
@@ -265,8 +272,8 @@ TEST(VocabParallelCrossEntropy, ExtremeLogitsStayFinite) {
 // columns, which the loss ignores, and they get no gradient.
 TEST(VocabParallelCrossEntropy, TiedHeadOnPaddedEmbedding) {
   auto tp = test::world();
-  const at::Tensor w = test::seeded_randn({kPaddedVocab, kDim}, 21);
-  const at::Tensor hidden = test::seeded_randn({kBatch, kSeq, kDim}, 22);
+  const at::Tensor w = test::device_randn({kPaddedVocab, kDim}, 21);
+  const at::Tensor hidden = test::device_randn({kBatch, kSeq, kDim}, 22);
   const at::Tensor target = seeded_ids(kPaddedVocab, 23);
 
   at::Tensor ws = w.clone().requires_grad_(true);
@@ -275,6 +282,7 @@ TEST(VocabParallelCrossEntropy, TiedHeadOnPaddedEmbedding) {
   loss_s.backward();
 
   nn::VocabParallelEmbedding emb(nn::VocabParallelEmbeddingOptions(kPaddedVocab, kDim), tp);
+  emb->to(test::device());
   emb->load_full(w);
   at::Tensor h = hidden.clone().requires_grad_(true);
   // copy_to_group: each rank's vocabulary columns contribute to h's gradient.
@@ -293,7 +301,7 @@ TEST(VocabParallelCrossEntropy, RejectsBadTargetsAndShapes) {
   auto tp = test::world();
   const int n = tp->size();
   const int64_t padded = nn::pad_to_multiple(kPaddedVocab, n);
-  const at::Tensor shard = test::seeded_randn({kBatch, kSeq, padded / n}, 31);
+  const at::Tensor shard = test::device_randn({kBatch, kSeq, padded / n}, 31);
   auto options = nn::VocabParallelCrossEntropyOptions().vocab_size(kPaddedVocab);
   at::Tensor target = seeded_ids(kPaddedVocab, 32);
   target[1][4] = kPaddedVocab;

@@ -256,11 +256,16 @@ WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& 
 WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
   const OpType op = OpType::kBroadcast;
   validate_broadcast(*this, tensor, options.root);
-  const Staged buf(tensor, cuda_aware_, rank_ == options.root);
+  const bool is_root = rank_ == options.root;
+  const Staged buf(tensor, cuda_aware_, is_root);
   const int count = to_int_count(*this, op, tensor.numel());
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   const int root = options.root;
-  auto finish = [buf]() { buf.copy_back(); };
+  // The root's tensor is unchanged: writing it back would bump its version,
+  // and autograd refuses a saved tensor (an attention output) changed so.
+  auto finish = [buf, is_root]() {
+    if (!is_root) buf.copy_back();
+  };
   return issue(
       begin("broadcast"), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf.data(), count, type, root, comm_)); },

@@ -66,11 +66,12 @@ at::Tensor VocabEmbedding2DImpl::forward(const at::Tensor& ids) {
                 " (2D and 2.5D split the batch over the ", parts,
                 " grid rows of the tensor group); choose a batch (or micro-batch) size divisible by ", parts);
     all_ids = ids.narrow(0, (depth_ ? depth_->rank() : 0) * (b / d), b / d);
-    range = ids.numel() > 0 ? at::stack({-ids.min(), ids.max()}).to(at::kLong) : at::zeros({2}, at::kLong);
+    range = ids.numel() > 0 ? at::stack({-ids.min(), ids.max()}).to(at::kLong)
+                            : at::zeros({2}, ids.options().dtype(at::kLong));
   } else {
     all_ids = comm::raw::all_gather(ids, 0, *col_);
     range = all_ids.numel() > 0 ? at::stack({-all_ids.min(), all_ids.max()}).to(at::kLong)
-                                : at::zeros({2}, at::kLong);
+                                : at::zeros({2}, ids.options().dtype(at::kLong));
     // Agree on bad ids across depth layers too, so that every rank throws.
     if (depth_ && depth_->size() > 1) {
       comm::AllReduceOptions opts;

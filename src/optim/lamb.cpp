@@ -63,7 +63,7 @@ at::Tensor Lamb::step(LossClosure closure) {
   }
   // Pass 2: whole-parameter norms in one exchange, then the trust ratios.
   const int64_t n = static_cast<int64_t>(params.size());
-  const at::Tensor squares = detail::pair_squares(params, norms, norms_.get());
+  const at::Tensor squares = detail::pair_squares(params, norms, norms_.get()).cpu();  // read by accessor
   auto sq = squares.accessor<double, 2>();
   trust_.assign(params.size(), 1.0);
   for (int64_t i = 0; i < n; ++i) {
