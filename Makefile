@@ -12,7 +12,7 @@ BUILD        ?= build
 BUILD_LATEST ?= build-latest
 JOBS         ?= 2
 BUILD_TYPE   ?= Release
-CTEST_ARGS   ?= --output-on-failure
+CTEST_ARGS   ?= --output-on-failure -j $(JOBS)
 # The PyPI wheel's LibTorch is built with CUDA: its CMake config needs a
 # working nvcc even though tessera compiles no .cu files.
 CUDA_HOME    ?= /usr/local/cuda

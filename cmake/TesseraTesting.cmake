@@ -98,5 +98,18 @@ function(tessera_finish_tests)
       math(EXPR comm_timeout "${timeout} - ${margin}")
       set_property(TEST ${t} APPEND PROPERTY ENVIRONMENT "TESSERA_COMM_TIMEOUT=${comm_timeout}")
     endif()
+    # Note [Tests in parallel]
+    # `ctest -j N` (make test passes the build's JOBS) runs tests side by side
+    # within N slots: an MPI test takes one slot per rank (CTest lets a test
+    # that wants more than N run alone), so one-rank tests pair up and an
+    # 8-rank test has the machine. Refusals end before any work: one slot.
+    # Tests that start ranks of their own, or measure time or memory, run alone.
+    if(labels MATCHES "(^|;)invalid-input(;|$)")
+      set_tests_properties(${t} PROPERTIES PROCESSORS 1)
+    elseif(labels MATCHES "(^|;)np([0-9]+)(;|$)")
+      set_tests_properties(${t} PROPERTIES PROCESSORS ${CMAKE_MATCH_2})
+    elseif(labels MATCHES "(^|;)(fault|elastic|example|checkpoint|huggingface|python|install|planner|timing|memory)(;|$)")
+      set_tests_properties(${t} PROPERTIES RUN_SERIAL TRUE)
+    endif()
   endforeach()
 endfunction()
