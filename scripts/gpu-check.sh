@@ -88,8 +88,8 @@ logs=$out/logs
 mkdir -p "$logs"
 parts=" ${GPU_CHECK_PARTS:-nccl comm dp gpt suite} "
 pack() { tar -czf "$out/gpu-check.tar.gz" -C "$out" logs && rm -rf "$logs"; }
-# The machines lent here start a command with an affinity of one CPU of 16
-# (nproc 1): widen it to every online CPU where that is allowed.
+# A command there may start with an affinity of one CPU (seen: 1 of 16 online,
+# nproc 1): widen it to every online CPU where that is allowed.
 online=$(getconf _NPROCESSORS_ONLN)
 command -v taskset > /dev/null && taskset -pc "0-$((online - 1))" $$ > /dev/null 2>&1
 prefix=/opt/tessera-deps

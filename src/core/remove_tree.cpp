@@ -14,7 +14,7 @@ namespace tessera {
 // from libtorch.so, unversioned. A program links libtorch before libstdc++,
 // so both the linker and the loader bind std::filesystem calls to that
 // copy, and its remove_all(path, error_code&) jumps to a null address: every
-// checkpoint save crashed (seen on 2.11.0, GCC 12 and 13; 2.15 exports
+// checkpoint save crashed (seen on 2.11.0 built with GCC 12; 2.15 exports
 // none). The other std::filesystem calls tessera makes work there; this one
 // is done with POSIX nftw instead, depth first, links not followed.
 
