@@ -191,14 +191,14 @@ class RawNccl {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// One operation at one size: buffers, tessera's call, the raw MPI call, the
+// One operation at one size: buffers, tessera's call, the baseline call, the
 // busbw factor, and a correctness check.
 struct Bench {
   std::string op;
   int64_t bytes = 0;  // nccl-tests size
   double bus_factor = 1;
   std::function<void()> tessera_call;
-  std::function<void()> mpi_call;
+  std::function<void()> baseline_call;  // raw MPI, or raw NCCL (use_nccl_baseline)
   std::function<int64_t()> count_wrong;  // runs tessera once on known data
   std::vector<at::Tensor> buffers;       // {tensor} or {input, output}
 };
@@ -219,7 +219,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.bytes = count * esize;
     b.bus_factor = 2 * (nd - 1) / nd;
     b.tessera_call = [&comm, t]() mutable { comm.all_reduce(t); };
-    b.mpi_call = [=]() { MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, raw); };
+    b.baseline_call = [=]() { MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, raw); };
     b.count_wrong = [&comm, t, r, n]() mutable {
       t.fill_(r + 1);
       comm.all_reduce(t);
@@ -232,7 +232,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.bytes = per * n * esize;
     b.bus_factor = (nd - 1) / nd;
     b.tessera_call = [&comm, in, out]() mutable { comm.all_gather(out, in); };
-    b.mpi_call = [=]() { MPI_Allgather(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
+    b.baseline_call = [=]() { MPI_Allgather(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
     b.count_wrong = [&comm, in, out, r, n, per, dtype]() mutable {
       in.fill_(r);
       comm.all_gather(out, in);
@@ -246,7 +246,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.bytes = per * n * esize;
     b.bus_factor = (nd - 1) / nd;
     b.tessera_call = [&comm, in, out]() mutable { comm.reduce_scatter(out, in); };
-    b.mpi_call = [=]() { MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), per, type, MPI_SUM, raw); };
+    b.baseline_call = [=]() { MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), per, type, MPI_SUM, raw); };
     b.count_wrong = [&comm, in, out, r, n]() mutable {
       in.fill_(r + 1);
       comm.reduce_scatter(out, in);
@@ -259,7 +259,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.bytes = per * n * esize;
     b.bus_factor = (nd - 1) / nd;
     b.tessera_call = [&comm, in, out]() mutable { comm.all_to_all(out, in); };
-    b.mpi_call = [=]() { MPI_Alltoall(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
+    b.baseline_call = [=]() { MPI_Alltoall(in.data_ptr(), per, type, out.data_ptr(), per, type, raw); };
     b.count_wrong = [&comm, in, out, r, n, per, dtype]() mutable {
       in.copy_((at::arange(n, at::kLong) * 100 + r).repeat_interleave(per).to(in.options()));
       comm.all_to_all(out, in);
@@ -271,7 +271,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.buffers = {t};
     b.bytes = count * esize;
     b.tessera_call = [&comm, t]() mutable { comm.broadcast(t); };
-    b.mpi_call = [=]() { MPI_Bcast(t.data_ptr(), count, type, 0, raw); };
+    b.baseline_call = [=]() { MPI_Bcast(t.data_ptr(), count, type, 0, raw); };
     b.count_wrong = [&comm, t, r]() mutable {
       t.fill_(r == 0 ? 3 : 0);
       comm.broadcast(t);
@@ -282,7 +282,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
     b.buffers = {t};
     b.bytes = count * esize;
     b.tessera_call = [&comm, t]() mutable { comm.reduce(t); };
-    b.mpi_call = [=]() {
+    b.baseline_call = [=]() {
       if (r == 0)
         MPI_Reduce(MPI_IN_PLACE, t.data_ptr(), count, type, MPI_SUM, 0, raw);
       else
@@ -301,7 +301,7 @@ Bench make_bench(const std::string& op, int64_t count, c10::ScalarType dtype, Co
 }
 
 #if TESSERA_BENCH_NCCL
-// Replaces b.mpi_call with the same operation on raw NCCL, on b's buffers.
+// Replaces b.baseline_call with the same operation on raw NCCL, on b's buffers.
 void use_nccl_baseline(Bench& b, int64_t count, c10::ScalarType dtype, int n, const RawNccl& nccl) {
   const std::string& op = b.op;
   const std::vector<at::Tensor>& buffers = b.buffers;
@@ -311,18 +311,18 @@ void use_nccl_baseline(Bench& b, int64_t count, c10::ScalarType dtype, int n, co
   const int64_t esize = c10::elementSize(dtype);
   if (op == "all_reduce") {
     at::Tensor t = buffers.at(0);
-    b.mpi_call = [=] { BENCH_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, c, s)); };
+    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, c, s)); };
   } else if (op == "all_gather") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
-    b.mpi_call = [=] { BENCH_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count / n, type, c, s)); };
+    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count / n, type, c, s)); };
   } else if (op == "reduce_scatter") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
-    b.mpi_call = [=] {
+    b.baseline_call = [=] {
       BENCH_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), count / n, type, ncclSum, c, s));
     };
   } else if (op == "all_to_all") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
-    b.mpi_call = [=] {
+    b.baseline_call = [=] {
       const int64_t per = count / n;
       auto* src = static_cast<char*>(in.data_ptr());
       auto* dst = static_cast<char*>(out.data_ptr());
@@ -335,10 +335,10 @@ void use_nccl_baseline(Bench& b, int64_t count, c10::ScalarType dtype, int n, co
     };
   } else if (op == "broadcast") {
     at::Tensor t = buffers.at(0);
-    b.mpi_call = [=] { BENCH_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count, type, 0, c, s)); };
+    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count, type, 0, c, s)); };
   } else if (op == "reduce") {
     at::Tensor t = buffers.at(0);
-    b.mpi_call = [=] { BENCH_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, 0, c, s)); };
+    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, 0, c, s)); };
   }
 }
 #endif
@@ -408,7 +408,7 @@ int run(const Args& args) {
       // Calibrate: enough iterations for --round-ms per round, at least 1.
       for (int i = 0; i < args.warmup; ++i) {
         b.tessera_call();
-        b.mpi_call();
+        b.baseline_call();
       }
       const double one = time_calls(b.tessera_call, 1, raw, sync);
       const int iters = static_cast<int>(std::clamp(args.round_ms * 1e-3 / std::max(one, 1e-7), 1.0, 2000.0));
@@ -417,7 +417,7 @@ int run(const Args& args) {
       // always following the other (warm caches, a neighbour's timing).
       for (int round = 0; round < args.rounds; ++round) {
         if (round % 2 == 0) ours.push_back(time_calls(b.tessera_call, iters, raw, sync));
-        theirs.push_back(time_calls(b.mpi_call, iters, raw, sync));
+        theirs.push_back(time_calls(b.baseline_call, iters, raw, sync));
         if (round % 2 == 1) ours.push_back(time_calls(b.tessera_call, iters, raw, sync));
       }
       int64_t wrong = b.count_wrong(), total_wrong = 0;
