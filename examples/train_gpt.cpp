@@ -11,6 +11,7 @@
 // Trainer or an ElasticTrainer, resuming, the final weights) and
 // train::MetricsLog (progress lines and JSON lines).
 #include <tessera/comm/factory.h>
+#include <tessera/comm/flight_recorder.h>
 #include <tessera/comm/tracing_communicator.h>
 #include <tessera/train/gpt_run.h>
 #include <tessera/train/metrics.h>
@@ -23,6 +24,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,10 +52,8 @@ std::string as_text(const std::vector<int64_t>& tokens, int64_t vocab) {
   return text;
 }
 
-int run_training(train::RunOptions options) {
-  const auto started = std::chrono::steady_clock::now();
-  auto trace = std::make_shared<comm::CommTrace>();
-  auto world = std::make_shared<comm::TracingCommunicator>(comm::make_world_communicator(), trace);
+int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCommunicator>& world,
+               const std::shared_ptr<comm::CommTrace>& trace, std::chrono::steady_clock::time_point started) {
   options.check(world->size());
   train::MetricsLog log(world->rank() == 0, options.metrics());
   const train::TokenData data = train::TokenData::load(options.data(), options.data_format());
@@ -117,17 +117,26 @@ int run_training(train::RunOptions options) {
     log.record("train", {{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                          {"tokens_per_s", tokens_per_s}, {"mfu", mfu}, {"model_state_bytes", state},
                          {"comm_bytes", comm_bytes}, {"seconds", st.seconds}, {"moe_aux_loss", moe.aux_loss},
-                         {"moe_max_over_mean", moe.max_over_mean}, {"moe_dropped", moe.dropped}});
+                         {"moe_max_over_mean", moe.max_over_mean}, {"moe_dropped", moe.dropped},
+                         {"wait_s", st.wait_seconds}, {"slowest_rank", static_cast<double>(st.slowest_rank)},
+                         {"straggler_lag_s", st.straggler_lag}});
+    if (options.rank_times())
+      log.record("ranks", {{"step", static_cast<double>(st.step)}},
+                 {{"compute_s", st.rank_compute_seconds}, {"wait_s", st.rank_wait_seconds}});
+    // Note [Stragglers]: named when its lag is a large enough part of the step.
+    const bool straggling = st.slowest_rank >= 0 && options.straggler_threshold() > 0 &&
+                            st.straggler_lag > options.straggler_threshold() * st.seconds;
     if (st.step % options.log_every() == 0 || st.step == options.steps())
       log.print(fmt::format(
           "step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | comm {}/step/rank "
-          "| {:.0f} ms{}{}",
+          "| {:.0f} ms{}{}{}",
           st.step, options.steps(), options.elastic() ? fmt::format(" | {} | batch {}", run.layout_name(), batch) : "",
           st.loss, st.lr, tokens_per_s, 100 * mfu, human_bytes(state), human_bytes(comm_bytes), 1000 * st.seconds,
           cfg.experts() > 0 ? fmt::format(" | experts max/mean {:.2f}, aux {:.4f}, dropped {:.0f}", moe.max_over_mean,
                                           moe.aux_loss, moe.dropped)
                             : "",
-          st.skipped ? " | skipped (overflow)" : ""));
+          st.skipped ? " | skipped (overflow)" : "",
+          straggling ? fmt::format(" | slowest rank {} +{:.0f} ms", st.slowest_rank, 1000 * st.straggler_lag) : ""));
     const int64_t every = options.eval_every();
     if (every > 0 && (st.step % every == 0 || st.step == options.steps())) {
       const auto v = data.windows(train::Split::kValidation, batch, options.seq(),
@@ -161,6 +170,26 @@ int run_training(train::RunOptions options) {
   log.print(fmt::format("train_gpt: done in {:.0f} s",
                         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
   return 0;
+}
+
+// The flight records (Note [Flight recorder]) go beside the metrics unless
+// TESSERA_TRACE_DIR says where; an error other than a timeout (which has
+// written them already) writes this rank's record before it ends the job.
+int run_training(const train::RunOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  comm::WorldOptions world_options;
+  if (world_options.flight_recorder.dir.empty() && !options.metrics().empty())
+    world_options.flight_recorder.dir = options.metrics() + ".flight";
+  auto trace = std::make_shared<comm::CommTrace>();
+  auto world = std::make_shared<comm::TracingCommunicator>(comm::make_world_communicator(world_options), trace);
+  try {
+    return train_loop(options, world, trace, started);
+  } catch (const comm::TimeoutError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (const auto recorder = comm::flight_recorder_of(world)) recorder->dump(std::string("error: ") + e.what());
+    throw;
+  }
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 set -euo pipefail
 build=${1:?usage: scripts/cli-docs.sh BUILD_DIR [OUT]}
 out=${2:-$(dirname "$0")/../docs/cli.md}
-commands=(examples/train_gpt examples/tessera_generate examples/tessera_plan examples/tessera_consolidate examples/tessera_export_hf
+commands=(examples/train_gpt examples/tessera_generate examples/tessera_plan examples/tessera_consolidate examples/tessera_export_hf examples/tessera_trace
   examples/tessera_demo examples/train_cnn examples/train_cnn_single examples/train_fashion_mnist
   bench/comm_bench bench/gpt_step bench/dp_step bench/pipeline bench/tp_modes bench/sequence bench/moe
   bench/offload_step bench/offload_generate bench/elastic)

@@ -47,6 +47,19 @@ bool nccl_available() {
 #endif
 }
 
+std::shared_ptr<FlightRecorder> flight_recorder_of(const CommunicatorPtr& comm) {
+  if (!comm) return nullptr;
+  if (const auto* traced = dynamic_cast<const TracingCommunicator*>(comm.get()))
+    return flight_recorder_of(traced->inner());
+  if (const auto* checked = dynamic_cast<const CheckedCommunicator*>(comm.get()))
+    return flight_recorder_of(checked->inner());
+  if (const auto* mpi = dynamic_cast<const MpiCommunicator*>(comm.get())) return mpi->flight_recorder();
+#ifdef TESSERA_HAVE_NCCL
+  if (const auto* nccl = dynamic_cast<const NcclCommunicator*>(comm.get())) return nccl->flight_recorder();
+#endif
+  return nullptr;
+}
+
 CommunicatorPtr make_world_communicator(const WorldOptions& options) {
   Backend backend = options.backend;
   if (backend == Backend::kAuto)
@@ -56,7 +69,7 @@ CommunicatorPtr make_world_communicator(const WorldOptions& options) {
     TORCH_CHECK(options.device.is_cuda(), "the nccl backend needs a CUDA device, got ", options.device.str());
 #ifdef TESSERA_HAVE_NCCL
     world = NcclCommunicator::create(MPI_COMM_WORLD, options.device.index() < 0 ? 0 : options.device.index(), "world",
-                                     options.timeout);
+                                     options.timeout, nullptr, options.flight_recorder);
 #else
     TORCH_CHECK(false,
                 "this build of tessera has no NCCL backend (configure with TESSERA_WITH_NCCL=ON and a CUDA "
@@ -65,6 +78,7 @@ CommunicatorPtr make_world_communicator(const WorldOptions& options) {
   } else {
     MpiOptions mpi;
     mpi.timeout = options.timeout;
+    mpi.flight_recorder = options.flight_recorder;
     world = MpiCommunicator::world(mpi);
   }
   if (options.check_collectives) world = std::make_shared<CheckedCommunicator>(world);

@@ -135,12 +135,15 @@ class MpiWork : public Work {
  private:
   void complete() {
     done_ = true;
+    detail::end_op(op_, OpState::kCompleted);
     if (finish_) finish_();
     keep_alive_.clear();
   }
   void abandon() {
     if (abandoned_) return;
     abandoned_ = true;
+    // A timed-out entry keeps its state.
+    detail::end_op(op_, OpState::kAbandoned);
     new std::vector<at::Tensor>(std::move(keep_alive_));  // leaked: see the class comment
   }
 
@@ -161,7 +164,10 @@ template <typename Finish, typename Blocking, typename NonBlocking>
 WorkPtr issue(const detail::OpInfo& op, bool async, Finish&& finish, std::initializer_list<at::Tensor> keep_alive,
               Blocking&& blocking, NonBlocking&& nonblocking) {
   if (!async && op.comm->timeout.count() == 0) {
+    const auto start = std::chrono::steady_clock::now();
     blocking();
+    if (const auto& recorder = op.comm->abort->recorder()) recorder->add_wait(std::chrono::steady_clock::now() - start);
+    detail::end_op(op, OpState::kCompleted);
     finish();
     return completed_work();
   }
@@ -192,7 +198,7 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const st
   MPI_Comm dup = MPI_COMM_NULL;
   TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   MpiOptions resolved = options;
-  if (!resolved.abort) resolved.abort = std::make_shared<detail::AbortState>();
+  if (!resolved.abort) resolved.abort = detail::AbortState::create(resolved.flight_recorder);
   return std::shared_ptr<MpiCommunicator>(
       new MpiCommunicator(dup, name, std::make_shared<MpiTypes>(), std::move(resolved), /*with_control=*/true));
 }
@@ -222,10 +228,14 @@ MpiCommunicator::~MpiCommunicator() {
   if (comm_ != MPI_COMM_NULL && !mpi_finalized() && !options_.abort->aborted()) MPI_Comm_free(&comm_);
 }
 
-detail::OpInfo MpiCommunicator::begin(const char* op, std::vector<int> peers) {
+detail::OpInfo MpiCommunicator::begin(const char* op, const at::Tensor& tensor, std::vector<int> peers) {
   detail::check_not_aborted(*info_, op);
-  return detail::OpInfo{info_, op, ++seq_, std::move(peers)};
+  const bool defined = tensor.defined();
+  return detail::begin_op(info_, op, ++seq_, std::move(peers), defined ? static_cast<int64_t>(tensor.nbytes()) : 0,
+                          defined ? c10::toString(tensor.scalar_type()) : "");
 }
+
+std::shared_ptr<FlightRecorder> MpiCommunicator::flight_recorder() const { return options_.abort->recorder(); }
 
 CommunicatorPtr MpiCommunicator::control() {
   if (control_) return control_;
@@ -246,7 +256,7 @@ WorkPtr MpiCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& 
     buf.copy_back();
   };
   return issue(
-      begin("all_reduce"), options.async, finish, {buf.host, tensor},
+      begin("all_reduce", tensor), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
         TESSERA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count, type, mpi_op, comm_, r));
@@ -267,7 +277,7 @@ WorkPtr MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& o
     if (!is_root) buf.copy_back();
   };
   return issue(
-      begin("broadcast"), options.async, finish, {buf.host, tensor},
+      begin("broadcast", tensor), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Bcast(buf.data(), count, type, root, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibcast(buf.data(), count, type, root, comm_, r)); });
 }
@@ -292,7 +302,7 @@ WorkPtr MpiCommunicator::reduce(at::Tensor& tensor, const ReduceOptions& options
     buf.copy_back();
   };
   return issue(
-      begin("reduce"), options.async, finish, {buf.host, tensor},
+      begin("reduce", tensor), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Reduce(send, recv, count, type, mpi_op, root, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ireduce(send, recv, count, type, mpi_op, root, comm_, r)); });
 }
@@ -312,7 +322,7 @@ WorkPtr MpiCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
   const void* send = in_place ? MPI_IN_PLACE : in.data();
   auto finish = [out]() { out.copy_back(); };
   return issue(
-      begin("all_gather"), options.async, finish, {out.host, in.host, output, input},
+      begin("all_gather", output), options.async, finish, {out.host, in.host, output, input},
       [&] { TESSERA_MPI_CHECK(MPI_Allgather(send, count, type, out.data(), count, type, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Iallgather(send, count, type, out.data(), count, type, comm_, r)); });
 }
@@ -333,7 +343,7 @@ WorkPtr MpiCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& in
     out.copy_back();
   };
   return issue(
-      begin("reduce_scatter"), options.async, finish, {out.host, in.host, output, input},
+      begin("reduce_scatter", input), options.async, finish, {out.host, in.host, output, input},
       [&] { TESSERA_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_)); },
       [&](MPI_Request* r) {
         TESSERA_MPI_CHECK(MPI_Ireduce_scatter_block(in.data(), out.data(), count, type, mpi_op, comm_, r));
@@ -351,7 +361,7 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
   if (layout.equal) {
     const int count = to_int_count(*this, op, layout.send_counts.empty() ? 0 : layout.send_counts[0]);
     return issue(
-        begin("all_to_all"), options.async, finish, {out.host, in.host, output, input},
+        begin("all_to_all", input), options.async, finish, {out.host, in.host, output, input},
         [&] { TESSERA_MPI_CHECK(MPI_Alltoall(in.data(), count, type, out.data(), count, type, comm_)); },
         [&](MPI_Request* r) {
           TESSERA_MPI_CHECK(MPI_Ialltoall(in.data(), count, type, out.data(), count, type, comm_, r));
@@ -364,7 +374,7 @@ WorkPtr MpiCommunicator::all_to_all(at::Tensor& output, const at::Tensor& input,
   auto& c = *counts;
   auto finish_v = [out, counts]() { out.copy_back(); };
   return issue(
-      begin("all_to_all"), options.async, finish_v, {out.host, in.host, output, input},
+      begin("all_to_all", input), options.async, finish_v, {out.host, in.host, output, input},
       [&] {
         TESSERA_MPI_CHECK(MPI_Alltoallv(in.data(), c[0].data(), c[1].data(), type, out.data(), c[2].data(), c[3].data(),
                                         type, comm_));
@@ -384,13 +394,13 @@ WorkPtr MpiCommunicator::send(const at::Tensor& tensor, int dst, const SendOptio
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   if (options_.synchronous_sends) {  // blocks until the receive is posted, asynchronous or not
     MPI_Request request = MPI_REQUEST_NULL;
-    const detail::OpInfo info = begin("send", {dst});
+    const detail::OpInfo info = begin("send", tensor, {dst});
     TESSERA_MPI_CHECK(MPI_Issend(buf.data(), count, type, dst, 0, comm_, &request));
     MpiWork(info, {request}, {buf.host, tensor}, nullptr).wait();
     return completed_work();
   }
   return issue(
-      begin("send", {dst}), options.async, kNothing, {buf.host, tensor},
+      begin("send", tensor, {dst}), options.async, kNothing, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Send(buf.data(), count, type, dst, 0, comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Isend(buf.data(), count, type, dst, 0, comm_, r)); });
 }
@@ -404,22 +414,28 @@ WorkPtr MpiCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& op
   MPI_Datatype type = types_->datatype(tensor.scalar_type());
   auto finish = [buf]() { buf.copy_back(); };
   return issue(
-      begin("recv", {src}), options.async, finish, {buf.host, tensor},
+      begin("recv", tensor, {src}), options.async, finish, {buf.host, tensor},
       [&] { TESSERA_MPI_CHECK(MPI_Recv(buf.data(), count, type, src, 0, comm_, MPI_STATUS_IGNORE)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Irecv(buf.data(), count, type, src, 0, comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::barrier(const BarrierOptions& options) {
   return issue(
-      begin("barrier"), options.async, kNothing, {}, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
+      begin("barrier", at::Tensor()), options.async, kNothing, {}, [&] { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); },
       [&](MPI_Request* r) { TESSERA_MPI_CHECK(MPI_Ibarrier(comm_, r)); });
 }
 
 WorkPtr MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
   validate_batch(*this, ops);
   std::vector<int> peers;
-  for (const auto& o : ops) peers.push_back(o.peer);
-  const detail::OpInfo info = begin("batch_isend_irecv", std::move(peers));
+  int64_t bytes = 0;
+  for (const auto& o : ops) {
+    peers.push_back(o.peer);
+    bytes += static_cast<int64_t>(o.tensor.nbytes());
+  }
+  detail::check_not_aborted(*info_, "batch_isend_irecv");
+  const detail::OpInfo info = detail::begin_op(info_, "batch_isend_irecv", ++seq_, std::move(peers), bytes,
+                                               ops.empty() ? "" : c10::toString(ops.front().tensor.scalar_type()));
   std::vector<MPI_Request> requests;
   std::vector<at::Tensor> keep_alive;
   auto staged = std::make_shared<std::vector<Staged>>();

@@ -107,12 +107,18 @@ using IssueFn = std::function<void(ncclComm_t, cudaStream_t)>;
 // the work queued so far on the current stream, NCCL runs on the
 // communication stream, and an event marks its completion for the Work.
 WorkPtr run_op(NcclState& state, const char* op, std::vector<at::Tensor> tensors, bool async, bool block_host,
-               const IssueFn& issue) {
+               const IssueFn& issue, std::vector<int> peers = {}) {
   std::shared_ptr<NcclWork> work;
   {
     std::lock_guard<std::mutex> lock(state.issue_mutex);
     detail::check_not_aborted(*state.info, op);
-    detail::OpInfo info{state.info, op, ++state.seq, {}};
+    // Bytes as nccl-tests' size: the largest tensor (all_gather's output, reduce_scatter's input).
+    const at::Tensor* largest = nullptr;
+    for (const auto& t : tensors)
+      if (largest == nullptr || t.nbytes() > largest->nbytes()) largest = &t;
+    detail::OpInfo info = detail::begin_op(state.info, op, ++state.seq, std::move(peers),
+                                           largest ? static_cast<int64_t>(largest->nbytes()) : 0,
+                                           largest ? c10::toString(largest->scalar_type()) : "");
     NcclResources& resources = *state.resources;
     resources.check_async_error();
     DeviceGuard guard(resources.device());
@@ -148,7 +154,8 @@ bool NcclCommunicator::orders_with_torch_streams() { return detail::uses_torch_s
 
 std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, int cuda_device,
                                                            const std::string& name, std::chrono::milliseconds timeout,
-                                                           std::shared_ptr<detail::AbortState> abort) {
+                                                           std::shared_ptr<detail::AbortState> abort,
+                                                           const FlightRecorderOptions& recorder) {
   int initialized = 0;
   TESSERA_MPI_CHECK(MPI_Initialized(&initialized));
   TORCH_CHECK(initialized, "NcclCommunicator::create('", name, "'): MPI is not initialised");
@@ -184,7 +191,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(MPI_Comm bootstrap, i
   TESSERA_NCCL_CHECK(ncclCommInitRank(&raw, size, message.id, rank));
   detail::NcclComm comm(raw, cuda_device);
   state->resources = std::make_shared<NcclResources>(std::move(comm), cuda_device, rank);
-  if (!abort) abort = std::make_shared<detail::AbortState>();
+  if (!abort) abort = detail::AbortState::create(recorder);
   state->info = detail::make_comm_info(duplicate, name, "nccl", timeout, abort);
   MpiOptions control_options;
   control_options.timeout = timeout;
@@ -197,6 +204,8 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<NcclState> state, int rank, i
     : state_(std::move(state)), rank_(rank), size_(size), device_(device), name_(std::move(name)) {}
 
 NcclCommunicator::~NcclCommunicator() = default;
+
+std::shared_ptr<FlightRecorder> NcclCommunicator::flight_recorder() const { return state_->info->abort->recorder(); }
 
 WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   const OpType op = OpType::kAllReduce;
@@ -296,20 +305,24 @@ WorkPtr NcclCommunicator::send(const at::Tensor& tensor, int dst, const SendOpti
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "input");
   // Not to itself: NCCL pairs a self-send with its receive only within a group.
   check_rank(*this, op, "destination", dst, false);
-  return run_op(*state_, "send", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
-    if (count(tensor) == 0) return;
-    TESSERA_NCCL_CHECK(ncclSend(data(tensor), count(tensor), type, dst, comm, s));
-  });
+  return run_op(*state_, "send", {tensor}, options.async, false,
+                [&](ncclComm_t comm, cudaStream_t s) {
+                  if (count(tensor) == 0) return;
+                  TESSERA_NCCL_CHECK(ncclSend(data(tensor), count(tensor), type, dst, comm, s));
+                },
+                {dst});
 }
 
 WorkPtr NcclCommunicator::recv(at::Tensor& tensor, int src, const RecvOptions& options) {
   const OpType op = OpType::kRecv;
   const ncclDataType_t type = check_nccl_tensor(*this, op, tensor, "output");
   check_rank(*this, op, "source", src, false);
-  return run_op(*state_, "recv", {tensor}, options.async, false, [&](ncclComm_t comm, cudaStream_t s) {
-    if (count(tensor) == 0) return;
-    TESSERA_NCCL_CHECK(ncclRecv(data(tensor), count(tensor), type, src, comm, s));
-  });
+  return run_op(*state_, "recv", {tensor}, options.async, false,
+                [&](ncclComm_t comm, cudaStream_t s) {
+                  if (count(tensor) == 0) return;
+                  TESSERA_NCCL_CHECK(ncclRecv(data(tensor), count(tensor), type, src, comm, s));
+                },
+                {src});
 }
 
 WorkPtr NcclCommunicator::barrier(const BarrierOptions& options) {
@@ -323,26 +336,31 @@ WorkPtr NcclCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
   validate_batch(*this, ops);
   std::vector<at::Tensor> tensors;
   std::vector<ncclDataType_t> types;
+  std::vector<int> peers;
   for (const auto& o : ops) {
+    peers.push_back(o.peer);
     const bool send = o.kind == P2POp::Kind::kSend;
     types.push_back(check_nccl_tensor(*this, send ? OpType::kSend : OpType::kRecv, o.tensor, send ? "input" : "output"));
     tensors.push_back(o.tensor);
   }
   // One group: NCCL pairs sends and receives across the whole group, self
   // included, so the order of posting inside it cannot deadlock.
-  return run_op(*state_, "batch_isend_irecv", tensors, /*async=*/true, false, [&](ncclComm_t comm, cudaStream_t s) {
-    grouped([&] {
-      for (size_t i = 0; i < ops.size(); ++i) {
-        const P2POp& o = ops[i];
-        if (count(o.tensor) == 0) continue;
-        if (o.kind == P2POp::Kind::kRecv) {
-          TESSERA_NCCL_CHECK(ncclRecv(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
-        } else {
-          TESSERA_NCCL_CHECK(ncclSend(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
-        }
-      }
-    });
-  });
+  return run_op(
+      *state_, "batch_isend_irecv", tensors, /*async=*/true, false,
+      [&](ncclComm_t comm, cudaStream_t s) {
+        grouped([&] {
+          for (size_t i = 0; i < ops.size(); ++i) {
+            const P2POp& o = ops[i];
+            if (count(o.tensor) == 0) continue;
+            if (o.kind == P2POp::Kind::kRecv) {
+              TESSERA_NCCL_CHECK(ncclRecv(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
+            } else {
+              TESSERA_NCCL_CHECK(ncclSend(data(o.tensor), count(o.tensor), types[i], o.peer, comm, s));
+            }
+          }
+        });
+      },
+      std::move(peers));
 }
 
 CommunicatorPtr NcclCommunicator::control() { return state_->control; }

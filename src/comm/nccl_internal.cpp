@@ -180,7 +180,10 @@ bool NcclWork::query_locked() {
   resources_->check_async_error();
   DeviceGuard guard(resources_->device());
   const cudaError_t result = cudaEventQuery(done_.get());
-  if (result == cudaSuccess) return true;
+  if (result == cudaSuccess) {
+    end_op(op_, OpState::kCompleted);
+    return true;
+  }
   if (result == cudaErrorNotReady) {
     (void)cudaGetLastError();  // a status, not an error: keep it out of later checks
     return false;

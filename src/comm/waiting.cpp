@@ -50,6 +50,13 @@ std::string peer_list(const OpInfo& op) {
 
 }  // namespace
 
+std::shared_ptr<AbortState> AbortState::create(const FlightRecorderOptions& options) {
+  int rank = 0, size = 1;
+  TESSERA_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  TESSERA_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  return std::make_shared<AbortState>(std::make_shared<FlightRecorder>(options, rank, size));
+}
+
 void AbortState::abort(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_.load(std::memory_order_relaxed)) return;
@@ -81,7 +88,21 @@ std::shared_ptr<const CommInfo> make_comm_info(MPI_Comm comm, const std::string&
   MPI_Group_free(&group);
   MPI_Group_free(&world);
   TESSERA_MPI_CHECK(result);
+  if (info->abort && info->abort->recorder())
+    info->recorder_comm = info->abort->recorder()->add_communicator(name, backend, info->world_ranks);
   return info;
+}
+
+OpInfo begin_op(const std::shared_ptr<const CommInfo>& comm, const char* op, int64_t seq, std::vector<int> peers,
+                int64_t bytes, const char* dtype) {
+  OpInfo info{comm, op, seq, std::move(peers), -1};
+  if (comm->recorder_comm >= 0)
+    info.record = comm->abort->recorder()->issued(comm->recorder_comm, op, seq, info.peers, bytes, dtype);
+  return info;
+}
+
+void end_op(const OpInfo& op, OpState state) {
+  if (op.record >= 0) op.comm->abort->recorder()->ended(op.record, state);
 }
 
 void check_not_aborted(const CommInfo& comm, const char* op) {
@@ -95,8 +116,12 @@ void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::
   const CommInfo& c = *op.comm;
   check_not_aborted(c, op.op);
   const auto start = Clock::now();
+  FlightRecorder* recorder = c.abort ? c.abort->recorder().get() : nullptr;
   for (int64_t polls = 0;; ++polls) {
-    if (test()) return;
+    if (test()) {
+      if (recorder) recorder->add_wait(Clock::now() - start);
+      return;
+    }
     // Another operation of the family timed out: its ranks are gone.
     check_not_aborted(c, op.op);
     if (polls < 100) continue;
@@ -115,6 +140,8 @@ void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::
       describe(c, op.op, op.seq), static_cast<double>(c.timeout.count()) / 1e3, peer_list(op), c.name);
   if (on_abort) on_abort();
   if (c.abort) c.abort->abort(describe(c, op.op, op.seq) + " timed out");
+  end_op(op, OpState::kTimedOut);
+  if (c.abort && c.abort->recorder()) c.abort->recorder()->dump_on_timeout(message);
   throw TimeoutError(message);
 }
 

@@ -2,6 +2,7 @@
 // Timed waits and the abort state they share (Note [Timeouts] in
 // communicator.h). Internal to comm/.
 #include "tessera/comm/communicator.h"
+#include "tessera/comm/flight_recorder.h"
 
 #include <mpi.h>
 
@@ -20,14 +21,21 @@ namespace detail {
 
 // Shared by a world communicator, its control channel and everything split
 // from them: once one of them times out, all refuse further operations.
+// The family's flight recorder lives here too (Note [Flight recorder]).
 class AbortState {
  public:
+  explicit AbortState(std::shared_ptr<FlightRecorder> recorder) : recorder_(std::move(recorder)) {}
+  // A new family recording with `options` (this process's world rank names its file).
+  static std::shared_ptr<AbortState> create(const FlightRecorderOptions& options);
+
   // Keeps the first reason.
   void abort(const std::string& reason);
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   std::string reason() const;
+  const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 
  private:
+  std::shared_ptr<FlightRecorder> recorder_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex mutex_;
   std::string reason_;
@@ -43,6 +51,7 @@ struct CommInfo {
   std::vector<int> world_ranks;  // of every rank of the communicator
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<AbortState> abort;
+  int recorder_comm = -1;  // this communicator's row in the family's flight record
 };
 
 // The info of a communicator over `comm` (its world ranks translated).
@@ -55,7 +64,17 @@ struct OpInfo {
   const char* op = "";  // a static name: "all_reduce", "batch_isend_irecv", ...
   int64_t seq = 0;      // the operation's number on its communicator, from 1
   std::vector<int> peers;  // ranks in the communicator; empty: all of them
+  // The flight recorder's entry; -1: none.
+  int64_t record = -1;
 };
+
+// Records operation `seq` as issued on the family's flight recorder and
+// returns its info. bytes/dtype as in Note [Trace byte
+// counts]; dtype a static string ("" for none).
+OpInfo begin_op(const std::shared_ptr<const CommInfo>& comm, const char* op, int64_t seq, std::vector<int> peers,
+                int64_t bytes, const char* dtype);
+// Records how the operation ended.
+void end_op(const OpInfo& op, OpState state);
 
 // Throws, naming the communicator and the first timed-out operation, if the
 // communicator was aborted.

@@ -22,10 +22,16 @@ MetricsLog::MetricsLog(bool enabled, const std::string& path) : enabled_(enabled
 }
 
 void MetricsLog::record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields) {
+  record(kind, fields, {});
+}
+
+void MetricsLog::record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields,
+                        const std::vector<std::pair<std::string, std::vector<double>>>& arrays) {
   if (!file_) return;
   nlohmann::ordered_json line;
   line["kind"] = kind;
   for (const auto& [name, value] : fields) line[name] = value;
+  for (const auto& [name, values] : arrays) line[name] = values;
   *file_ << line.dump() << "\n";
   file_->flush();
 }

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace tessera {
 namespace train {
@@ -173,6 +174,9 @@ void data_options(cli::Command& c, RunOptions& r) {
   c.add("sample", &r.sample(), "tokens sampled from the final model; 0: none");
   c.add("eval-every", &r.eval_every(), "steps between validation losses; 0: none");
   c.add("log-every", &r.log_every(), "steps between progress lines");
+  c.add("straggler-threshold", &r.straggler_threshold(), "name the slowest rank in the progress line when its "
+        "compute exceeds the median rank's by this fraction of the step; 0: off");
+  c.add("rank-times", &r.rank_times(), "every rank's compute and wait seconds per step in --metrics (\"ranks\" lines)");
 }
 
 void planner_options(cli::Command& c, RunOptions& r) {
@@ -232,6 +236,7 @@ TrainerOptions RunOptions::trainer_options() const {
       .disk(parallel::DiskOffloadOptions().dir(offload_dir()))
       .offload_params(offload_params())
       .clip_grad_norm(clip())
+      .rank_times(straggler_threshold() > 0 || rank_times())
       .lr(LrSchedule()
               .peak(lr())
               .warmup_steps(warmup_steps())
@@ -256,6 +261,8 @@ void RunOptions::check(int world_size) const {
                                     {"save-every", save_every()}})
     TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
   TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());
+  TORCH_CHECK(straggler_threshold() >= 0 && std::isfinite(straggler_threshold()),
+              "--straggler-threshold must be a fraction >= 0 (0: off), got ", straggler_threshold());
   if (!hf_init_dir().empty()) {
     // The architecture is config.json's; a flag beside it would be ignored.
     for (const char* flag : {"model", "layers", "heads", "kv-heads", "head-dim", "hidden", "ffn", "norm", "norm-eps",

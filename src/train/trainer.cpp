@@ -1,5 +1,7 @@
 #include "tessera/train/trainer.h"
 
+#include "tessera/comm/factory.h"
+#include "tessera/comm/flight_recorder.h"
 #include "tessera/core/logging.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/parallel_dropout.h"
@@ -9,6 +11,7 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <set>
 
@@ -67,6 +70,7 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   TORCH_CHECK(options_.clip_grad_norm() >= 0, "Trainer: clip_grad_norm must be >= 0 (0: off), got ",
               options_.clip_grad_norm());
   options_.lr().validate();
+  recorder_ = comm::flight_recorder_of(ctx_->world());
   // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
   const auto& config = ctx_->config();
   if (config.expert() > 1) {
@@ -166,6 +170,7 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
 
 StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& targets) {
   const auto start = std::chrono::steady_clock::now();
+  const double waited_before = recorder_ ? recorder_->waited_seconds() : 0;
   StepStats stats;
   stats.lr = options_.lr().at(step_);
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(stats.lr);
@@ -201,7 +206,31 @@ StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& target
   stats.loss = loss.item<double>();
   stats.step = step_;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.wait_seconds = recorder_ ? recorder_->waited_seconds() - waited_before : 0;
+  if (options_.rank_times()) gather_rank_times(stats);
   return stats;
+}
+
+void Trainer::gather_rank_times(StepStats& stats) const {
+  auto world = ctx_->world()->control();  // host doubles
+  const int n = world->size();
+  at::Tensor mine = at::tensor({stats.seconds - stats.wait_seconds, stats.wait_seconds}, at::kDouble);
+  at::Tensor all = at::empty({2 * n}, at::kDouble);
+  world->all_gather(all, mine);
+  const auto a = all.accessor<double, 1>();
+  stats.rank_compute_seconds.resize(static_cast<size_t>(n));
+  stats.rank_wait_seconds.resize(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    stats.rank_compute_seconds[static_cast<size_t>(r)] = a[2 * r];
+    stats.rank_wait_seconds[static_cast<size_t>(r)] = a[2 * r + 1];
+  }
+  const auto& compute = stats.rank_compute_seconds;
+  stats.slowest_rank = static_cast<int>(std::max_element(compute.begin(), compute.end()) - compute.begin());
+  std::vector<double> sorted = compute;
+  // The lower median: with two ranks, the other one.
+  const int middle = (n - 1) / 2;
+  std::nth_element(sorted.begin(), sorted.begin() + middle, sorted.end());
+  stats.straggler_lag = compute[static_cast<size_t>(stats.slowest_rank)] - sorted[static_cast<size_t>(middle)];
 }
 
 double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {

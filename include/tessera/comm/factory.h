@@ -2,6 +2,7 @@
 // Builds the world communicator of a job: the backend for the job's device,
 // wrapped in the checking and tracing decorators when asked for.
 #include "tessera/comm/communicator.h"
+#include "tessera/comm/flight_recorder.h"
 #include "tessera/comm/tracing_communicator.h"
 
 #include <c10/core/Device.h>
@@ -29,12 +30,19 @@ struct WorldOptions {
   std::shared_ptr<CommTrace> trace;
   // Note [Timeouts] in communicator.h; 0 waits forever.
   std::chrono::milliseconds timeout = timeout_from_env();
+  // Note [Flight recorder]: the last operations of every communicator, and
+  // where they are written when something goes wrong.
+  FlightRecorderOptions flight_recorder{};
 
   static bool checked_mode_from_env();
 };
 
 // Needs MPI initialized (MpiRuntime) for every backend: NCCL bootstraps over it.
 CommunicatorPtr make_world_communicator(const WorldOptions& options = {});
+
+// The flight recorder of `comm`'s family (through the tracing and checking
+// decorators), or null for a communicator of another kind.
+std::shared_ptr<FlightRecorder> flight_recorder_of(const CommunicatorPtr& comm);
 
 // True when this build of tessera includes the NCCL backend.
 bool nccl_available();

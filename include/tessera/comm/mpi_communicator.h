@@ -5,6 +5,7 @@
 // (its tuned algorithms); asynchronous calls use the nonblocking ones
 // (MPI_Iallreduce, ...) and return a Work that owns the MPI requests.
 #include "tessera/comm/communicator.h"
+#include "tessera/comm/flight_recorder.h"
 
 #include <mpi.h>
 
@@ -34,8 +35,10 @@ struct MpiOptions {
   // on NCCL deadlocks here too (and times out with a message).
   bool synchronous_sends = synchronous_sends_from_env();
   // Shared with the communicators this one belongs with (the NCCL backend
-  // passes its own); null: a new family.
+  // passes its own); null: a new family, recording as flight_recorder says.
   std::shared_ptr<detail::AbortState> abort;
+  // Note [Flight recorder]; used only when a new family is made.
+  FlightRecorderOptions flight_recorder{};
 
   static bool synchronous_sends_from_env();
 };
@@ -62,6 +65,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   MPI_Comm handle() const { return comm_; }
   bool cuda_aware() const { return cuda_aware_; }
   std::chrono::milliseconds timeout() const { return options_.timeout; }
+  // Note [Flight recorder]: shared with this communicator's family.
+  std::shared_ptr<FlightRecorder> flight_recorder() const;
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;
@@ -83,9 +88,10 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   // control channel (collective).
   MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types, MpiOptions options,
                   bool with_control);
-  // Numbers the next operation and says who it waits for (peer -1: all),
-  // after refusing it if the family was aborted.
-  detail::OpInfo begin(const char* op, std::vector<int> peers = {});
+  // Numbers and records the next operation on `tensor` (undefined: none) and
+  // says who it waits for (empty: all), after refusing it if the family was
+  // aborted.
+  detail::OpInfo begin(const char* op, const at::Tensor& tensor, std::vector<int> peers = {});
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;

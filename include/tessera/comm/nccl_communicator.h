@@ -9,6 +9,7 @@
 //
 // <mpi.h> is included for MPI_Comm only; NCCL and CUDA types stay in the .cpp.
 #include "tessera/comm/communicator.h"
+#include "tessera/comm/flight_recorder.h"
 
 #include <mpi.h>
 
@@ -33,10 +34,12 @@ class NcclCommunicator final : public Communicator {
   // duplicate of `bootstrap` (Note [Control traffic]). Host-blocking waits
   // (barrier) give up after `timeout` and abort the communicator (Note
   // [Timeouts]); `abort` is shared with the communicators split from this
-  // one (null: a new family).
+  // one (null: a new family, recording as `recorder` says, Note [Flight
+  // recorder]).
   static std::shared_ptr<NcclCommunicator> create(MPI_Comm bootstrap, int cuda_device, const std::string& name,
                                                   std::chrono::milliseconds timeout = timeout_from_env(),
-                                                  std::shared_ptr<detail::AbortState> abort = nullptr);
+                                                  std::shared_ptr<detail::AbortState> abort = nullptr,
+                                                  const FlightRecorderOptions& recorder = {});
 
   // Whether this build orders NCCL work against LibTorch's current CUDA
   // stream and tells LibTorch's allocator which stream uses a tensor (a
@@ -57,6 +60,8 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
   // The CUDA device index every tensor passed to this communicator must be on.
   int device() const { return device_; }
+  // Note [Flight recorder]: shared with this communicator's family.
+  std::shared_ptr<FlightRecorder> flight_recorder() const;
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;

@@ -22,6 +22,9 @@ class MetricsLog {
 
   // {"kind": kind, "<name>": value, ...} as one line of the file.
   void record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields);
+  // The same with arrays beside the numbers: {"kind": kind, ..., "<name>": [v, ...]}.
+  void record(const std::string& kind, const std::vector<std::pair<std::string, double>>& fields,
+              const std::vector<std::pair<std::string, std::vector<double>>>& arrays);
   void print(const std::string& line) const;
   bool enabled() const { return enabled_; }
 

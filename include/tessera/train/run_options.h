@@ -87,6 +87,11 @@ struct RunOptions {
   TORCH_ARG(int64_t, sample) = 200;
   TORCH_ARG(int64_t, eval_every) = 25;
   TORCH_ARG(int64_t, log_every) = 1;
+  // Note [Stragglers] in trainer.h: the progress line names the slowest rank
+  // when its lag exceeds this fraction of the step (0: never, and no
+  // gathering); rank_times writes every rank's times to the metrics.
+  TORCH_ARG(double, straggler_threshold) = 0.1;
+  TORCH_ARG(bool, rank_times) = false;
   // Planner (docs/planner.md).
   TORCH_ARG(PlanMode, plan) = PlanMode::kNone;
   TORCH_ARG(std::string, cluster) = "";

@@ -27,6 +27,9 @@
 #include <vector>
 
 namespace tessera {
+namespace comm {
+class FlightRecorder;
+}
 namespace models {
 class GPTImpl;
 }
@@ -80,10 +83,27 @@ struct TrainerOptions {
   // Parameter shards in host memory between uses (ShardedModuleOptions::offload_params).
   TORCH_ARG(bool, offload_params) = false;
   TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
+  // Gather every rank's compute and wait times each step (Note
+  // [Stragglers]): one all_gather of two doubles per rank on the world's
+  // host channel.
+  TORCH_ARG(bool, rank_times) = false;
 
  public:
   TrainerOptions() = default;
 };
+
+// Note [Stragglers]
+// A rank that computes slower than the others makes them wait in the next
+// collective that needs it. Per step the trainer takes this rank's time
+// waiting for communication from its world communicator's flight recorder
+// (every host-side wait of the family, comm/flight_recorder.h); compute is
+// the rest of the step. With rank_times, every rank's pair is gathered, and
+// the slowest rank is the one with the most compute; its lag is that
+// compute minus the median rank's (the lower median: with two ranks, the
+// other one). Ranks that merely wait for it show a
+// short compute and a long wait, so the lag names the cause, not the
+// victims. Under a pipeline, stages differ in work by design: the lag there
+// also measures the partition's imbalance.
 
 struct StepStats {
   int64_t step = 0;  // steps taken after this one
@@ -92,6 +112,13 @@ struct StepStats {
   double grad_norm = -1;  // before clipping; -1 when not clipping
   bool skipped = false;   // an overflow under loss scaling
   double seconds = 0;
+  // Note [Stragglers]: this rank's wait in the step; the rest is filled
+  // with TrainerOptions::rank_times (else empty, -1 and 0), alike on every rank.
+  double wait_seconds = 0;
+  std::vector<double> rank_compute_seconds;  // by world rank
+  std::vector<double> rank_wait_seconds;
+  int slowest_rank = -1;     // world rank with the most compute
+  double straggler_lag = 0;  // its compute minus the median rank's, seconds
 };
 
 class Trainer {
@@ -150,6 +177,8 @@ class Trainer {
  private:
   double forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
   double finish_step();
+  // Note [Stragglers]: every rank's compute and wait, gathered into stats.
+  void gather_rank_times(StepStats& stats) const;
 
   context::ParallelContextPtr ctx_;
   TrainModel model_;
@@ -165,6 +194,7 @@ class Trainer {
   bool gather_by_unit_ = true;
   // Row-keyed dropout layers: told each micro-batch's first global row.
   std::vector<nn::ParallelDropoutImpl*> row_dropouts_;
+  std::shared_ptr<comm::FlightRecorder> recorder_;  // the world's, for wait times; may be null
   int64_t step_ = 0;
 };
 
