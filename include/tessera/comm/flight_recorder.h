@@ -3,8 +3,8 @@
 // process, written as JSON when something goes wrong (docs/reliability.md).
 //
 // Note [Flight recorder]
-// One recorder per process, shared by the world communicator and everything
-// split from it (as the abort state is). Each operation is recorded when it
+// One recorder per world communicator (normally one per process), shared
+// with everything split from it (as the abort state is). Each operation is recorded when it
 // is issued (op, sequence number on its communicator, peers, bytes, dtype,
 // start time) and again when a wait observes it complete, time out or be
 // abandoned. The buffer is a ring of `entries` slots whose storage is reused,
