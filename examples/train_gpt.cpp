@@ -21,6 +21,7 @@
 #include "example_main.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -187,7 +188,9 @@ int run_training(const train::RunOptions& options) {
   } catch (const comm::TimeoutError&) {
     throw;
   } catch (const std::exception& e) {
-    if (const auto recorder = comm::flight_recorder_of(world)) recorder->dump(std::string("error: ") + e.what());
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    if (const auto recorder = comm::flight_recorder_of(world))
+      recorder->dump(std::string("error: ") + (error ? error->what_without_backtrace() : e.what()));
     throw;
   }
 }
