@@ -36,6 +36,8 @@
 #include <mpi.h>
 
 #if TESSERA_BENCH_NCCL
+#include <tessera/comm/nccl_check.h>
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 #endif
@@ -133,17 +135,6 @@ MPI_Datatype mpi_type(c10::ScalarType t) {
 }
 
 #if TESSERA_BENCH_NCCL
-#define BENCH_CUDA_CHECK(expr)                                                                   \
-  do {                                                                                           \
-    cudaError_t err_ = (expr);                                                                   \
-    TORCH_CHECK(err_ == cudaSuccess, #expr " failed: ", cudaGetErrorString(err_));               \
-  } while (0)
-#define BENCH_NCCL_CHECK(expr)                                                                   \
-  do {                                                                                           \
-    ncclResult_t res_ = (expr);                                                                  \
-    TORCH_CHECK(res_ == ncclSuccess, #expr " failed: ", ncclGetErrorString(res_));               \
-  } while (0)
-
 ncclDataType_t nccl_type(c10::ScalarType t) {
   switch (t) {
     case c10::kFloat:
@@ -168,11 +159,11 @@ class RawNccl {
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
     ncclUniqueId id;
-    if (rank == 0) BENCH_NCCL_CHECK(ncclGetUniqueId(&id));
+    if (rank == 0) TESSERA_NCCL_CHECK(ncclGetUniqueId(&id));
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm);
-    BENCH_CUDA_CHECK(cudaSetDevice(device));
-    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    BENCH_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
+    TESSERA_CUDA_CHECK(cudaSetDevice(device));
+    TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    TESSERA_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
   }
   ~RawNccl() {
     ncclCommDestroy(comm_);
@@ -311,14 +302,14 @@ void use_nccl_baseline(Bench& b, int64_t count, c10::ScalarType dtype, int n, co
   const int64_t esize = c10::elementSize(dtype);
   if (op == "all_reduce") {
     at::Tensor t = buffers.at(0);
-    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, c, s)); };
+    b.baseline_call = [=] { TESSERA_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, c, s)); };
   } else if (op == "all_gather") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
-    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count / n, type, c, s)); };
+    b.baseline_call = [=] { TESSERA_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count / n, type, c, s)); };
   } else if (op == "reduce_scatter") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
     b.baseline_call = [=] {
-      BENCH_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), count / n, type, ncclSum, c, s));
+      TESSERA_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), count / n, type, ncclSum, c, s));
     };
   } else if (op == "all_to_all") {
     at::Tensor in = buffers.at(0), out = buffers.at(1);
@@ -326,19 +317,19 @@ void use_nccl_baseline(Bench& b, int64_t count, c10::ScalarType dtype, int n, co
       const int64_t per = count / n;
       auto* src = static_cast<char*>(in.data_ptr());
       auto* dst = static_cast<char*>(out.data_ptr());
-      BENCH_NCCL_CHECK(ncclGroupStart());
+      TESSERA_NCCL_CHECK(ncclGroupStart());
       for (int peer = 0; peer < n; ++peer) {
-        BENCH_NCCL_CHECK(ncclSend(src + peer * per * esize, per, type, peer, c, s));
-        BENCH_NCCL_CHECK(ncclRecv(dst + peer * per * esize, per, type, peer, c, s));
+        TESSERA_NCCL_CHECK(ncclSend(src + peer * per * esize, per, type, peer, c, s));
+        TESSERA_NCCL_CHECK(ncclRecv(dst + peer * per * esize, per, type, peer, c, s));
       }
-      BENCH_NCCL_CHECK(ncclGroupEnd());
+      TESSERA_NCCL_CHECK(ncclGroupEnd());
     };
   } else if (op == "broadcast") {
     at::Tensor t = buffers.at(0);
-    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count, type, 0, c, s)); };
+    b.baseline_call = [=] { TESSERA_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count, type, 0, c, s)); };
   } else if (op == "reduce") {
     at::Tensor t = buffers.at(0);
-    b.baseline_call = [=] { BENCH_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, 0, c, s)); };
+    b.baseline_call = [=] { TESSERA_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count, type, ncclSum, 0, c, s)); };
   }
 }
 #endif
@@ -385,7 +376,7 @@ int run(const Args& args) {
     TORCH_CHECK(device.is_cuda(), "--backend nccl needs a CUDA device; LibTorch sees none on this rank");
     comm = tessera::comm::NcclCommunicator::create(MPI_COMM_WORLD, device.index(), "world");
     raw_nccl = std::make_unique<RawNccl>(raw, device.index());
-    sync = [] { BENCH_CUDA_CHECK(cudaDeviceSynchronize()); };
+    sync = [] { TESSERA_CUDA_CHECK(cudaDeviceSynchronize()); };
   }
 #endif
   if (!nccl) comm = MpiCommunicator::world();

@@ -228,11 +228,15 @@ MpiCommunicator::~MpiCommunicator() {
   if (comm_ != MPI_COMM_NULL && !mpi_finalized() && !options_.abort->aborted()) MPI_Comm_free(&comm_);
 }
 
-detail::OpInfo MpiCommunicator::begin(const char* op, const at::Tensor& tensor, std::vector<int> peers) {
+detail::OpInfo MpiCommunicator::begin(const char* op, int64_t bytes, const char* dtype, std::vector<int> peers) {
   detail::check_not_aborted(*info_, op);
+  return detail::begin_op(info_, op, ++seq_, std::move(peers), bytes, dtype);
+}
+
+detail::OpInfo MpiCommunicator::begin(const char* op, const at::Tensor& tensor, std::vector<int> peers) {
   const bool defined = tensor.defined();
-  return detail::begin_op(info_, op, ++seq_, std::move(peers), defined ? static_cast<int64_t>(tensor.nbytes()) : 0,
-                          defined ? c10::toString(tensor.scalar_type()) : "");
+  return begin(op, defined ? static_cast<int64_t>(tensor.nbytes()) : 0,
+               defined ? c10::toString(tensor.scalar_type()) : "", std::move(peers));
 }
 
 std::shared_ptr<FlightRecorder> MpiCommunicator::flight_recorder() const { return options_.abort->recorder(); }
@@ -433,9 +437,8 @@ WorkPtr MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
     peers.push_back(o.peer);
     bytes += static_cast<int64_t>(o.tensor.nbytes());
   }
-  detail::check_not_aborted(*info_, "batch_isend_irecv");
-  const detail::OpInfo info = detail::begin_op(info_, "batch_isend_irecv", ++seq_, std::move(peers), bytes,
-                                               ops.empty() ? "" : c10::toString(ops.front().tensor.scalar_type()));
+  const detail::OpInfo info = begin(
+      "batch_isend_irecv", bytes, ops.empty() ? "" : c10::toString(ops.front().tensor.scalar_type()), std::move(peers));
   std::vector<MPI_Request> requests;
   std::vector<at::Tensor> keep_alive;
   auto staged = std::make_shared<std::vector<Staged>>();

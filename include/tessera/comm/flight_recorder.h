@@ -67,10 +67,6 @@ class FlightRecorder {
   FlightRecorder(const FlightRecorder&) = delete;
   FlightRecorder& operator=(const FlightRecorder&) = delete;
 
-  bool enabled() const { return capacity_ > 0; }
-  const FlightRecorderOptions& options() const { return options_; }
-  int world_rank() const { return world_rank_; }
-
   // A communicator's row in the record; returns its index.
   int add_communicator(const std::string& name, const std::string& backend, const std::vector<int>& world_ranks);
 
@@ -93,7 +89,7 @@ class FlightRecorder {
   // The record as JSON: rank, reason, communicators with their last issued
   // and completed sequence numbers, entries oldest first.
   std::string to_json(const std::string& reason) const;
-  // Writes this rank's record into options().dir (atomically); returns the
+  // Writes this rank's record into the options' dir (atomically); returns the
   // path, or "" without a directory.
   std::string dump(const std::string& reason);
   void dump_to(const std::string& path, const std::string& reason) const;

@@ -88,9 +88,11 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   // control channel (collective).
   MpiCommunicator(MPI_Comm comm, std::string name, std::shared_ptr<MpiTypes> types, MpiOptions options,
                   bool with_control);
-  // Numbers and records the next operation on `tensor` (undefined: none) and
-  // says who it waits for (empty: all), after refusing it if the family was
-  // aborted.
+  // Numbers and records the next operation of `bytes` of `dtype` (a static
+  // string) and says who it waits for (empty: all), after refusing it if the
+  // family was aborted.
+  detail::OpInfo begin(const char* op, int64_t bytes, const char* dtype, std::vector<int> peers = {});
+  // The same for an operation on `tensor` (undefined: no data).
   detail::OpInfo begin(const char* op, const at::Tensor& tensor, std::vector<int> peers = {});
 
   MPI_Comm comm_ = MPI_COMM_NULL;
