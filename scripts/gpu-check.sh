@@ -148,6 +148,15 @@ if [[ $parts == *" comm "* ]]; then
   timeout 120 "${mpirun[@]}" -np 1 $build/bench/comm_bench --backend nccl --json --min-bytes 8 --max-bytes 256M \
     --factor 4 --rounds 11 > "$logs/comm_bench_nccl.jsonl" 2> "$logs/comm_bench_nccl.err"
   echo "comm_bench nccl rc=$?"
+  # The flight recorder's cost per NCCL call (Note [Flight recorder]): off
+  # against on, interleaved, small sizes where the per-call cost shows.
+  for round in 1 2; do
+    for entries in 0 2000; do
+      TESSERA_TRACE_BUFFER=$entries timeout 60 "${mpirun[@]}" -np 1 $build/bench/comm_bench --backend nccl --json \
+        --min-bytes 8 --max-bytes 64K --factor 8 --rounds 21 >> "$logs/comm_bench_nccl_recorder_$entries.jsonl" 2>&1
+    done
+  done
+  echo "comm_bench nccl recorder off/on rc=$?"
   timeout 120 "${mpirun[@]}" -np 4 $build/bench/comm_bench --backend mpi --json --min-bytes 8 --max-bytes 64M \
     --factor 4 --rounds 11 > "$logs/comm_bench_mpi.jsonl" 2> "$logs/comm_bench_mpi.err"
   echo "comm_bench mpi np=4 rc=$?"

@@ -7,6 +7,7 @@
 // CUDA tensors also skip when LibTorch was built without CUDA. The test main
 // (MPI_Init / MPI_Finalize) lives elsewhere.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "test_util.h"
 
@@ -461,6 +462,45 @@ TEST(NcclCommunicator, DroppedWorkStillOrdersTheCurrentStream) {
   at::Tensor tensor = at::ones({1 << 20}, at::TensorOptions(at::kFloat).device(device_of(comm)));
   comm.all_reduce(tensor, {ReduceOp::kSum, /*async=*/true});  // handle dropped at once
   EXPECT_TRUE(at::equal(tensor.cpu(), at::full({1 << 20}, float(comm.size()))));
+}
+
+// Note [Flight recorder] on NCCL: each operation is recorded when issued;
+// it is completed once the host sees its event (a host-blocking wait, or
+// is_completed() returning true), and a stream-only wait leaves it issued.
+TEST(NcclCommunicator, RecordsEachOperationInTheFlightRecorder) {
+  TESSERA_REQUIRE_CUDA_TENSORS();
+  FlightRecorderOptions o;
+  o.entries = 16;
+  o.dir = "";
+  auto comm = NcclCommunicator::create(MPI_COMM_WORLD, device_for_this_rank(), "recorded",
+                                       timeout_from_env(), nullptr, o);
+  at::Tensor t = at::ones({5}, at::TensorOptions(at::kFloat).device(device_of(*comm)));
+  at::Tensor gathered = at::empty({3 * comm->size()}, at::TensorOptions(at::kDouble).device(device_of(*comm)));
+  WorkPtr reduced = comm->all_reduce(t, {ReduceOp::kSum, /*async=*/true});
+  comm->all_gather(gathered, at::ones({3}, gathered.options()));
+  reduced->wait();
+  (void)t.cpu();  // the current stream, which waited for the all_reduce, has finished
+  EXPECT_TRUE(reduced->is_completed());
+  comm->barrier();
+  const nlohmann::json r = nlohmann::json::parse(comm->flight_recorder()->to_json("test"));
+  const nlohmann::json& e = r["entries"];
+  ASSERT_EQ(e.size(), 3u);
+  EXPECT_EQ(e[0]["op"], "all_reduce");
+  EXPECT_EQ(e[0]["state"], "completed");  // is_completed() saw its event
+  EXPECT_EQ(e[0]["bytes"], 20);
+  EXPECT_EQ(e[0]["dtype"], "Float");
+  EXPECT_EQ(e[1]["op"], "all_gather");
+  EXPECT_EQ(e[1]["state"], "issued");  // only the stream waited for it
+  EXPECT_EQ(e[1]["bytes"], 24 * comm->size());
+  EXPECT_EQ(e[1]["dtype"], "Double");
+  EXPECT_EQ(e[2]["op"], "barrier");
+  EXPECT_EQ(e[2]["state"], "completed");  // the barrier blocks the host
+  EXPECT_EQ(e[2]["collective"], 3);
+  // The family also holds the MPI control channel; the NCCL row is the one.
+  const nlohmann::json& row = r["communicators"][e[0]["comm"].get<size_t>()];
+  EXPECT_EQ(row["name"], "recorded");
+  EXPECT_EQ(row["backend"], "nccl");
+  EXPECT_EQ(row["last_completed"], 3);
 }
 
 TEST(NcclCommunicator, Split) {
