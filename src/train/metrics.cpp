@@ -50,7 +50,10 @@ double gpt_flops_per_token(const models::GPTConfig& c, int64_t seq) {
 }
 
 double measured_matmul_flops(int64_t n, int repeats) {
-  at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  // No draw from the process's generator: a run resumed from a checkpoint
+  // measures this after restoring it, and must continue its random streams
+  // bit for bit (Note [Random states in checkpoints]).
+  at::Tensor a = at::arange(n * n, at::kFloat).remainder(7).sub_(3).view({n, n}), b = a.t().contiguous();
   at::mm(a, b);  // warm-up
   double best = 1e30;
   for (int i = 0; i < repeats; ++i) {

@@ -49,8 +49,10 @@ MeasuredRates measure_rates(const planner::ModelDesc& model, TrainModel serial, 
   for (const auto& p : params) tensors.push_back(p.second);
   // Forward + backward at `n` rows, and the optimizer step after it.
   auto time_pass = [&](int64_t n, std::vector<double>* opt) {
-    const at::Tensor x = at::randint(model.vocab(), {n, model.seq()}, at::kLong);
-    const at::Tensor y = at::randint(model.vocab(), {n, model.seq()}, at::kLong);
+    // Tokens without the process's generator (as measured_matmul_flops).
+    const at::Tensor x =
+        at::arange(n * model.seq(), at::kLong).mul_(7919).remainder(model.vocab()).view({n, model.seq()});
+    const at::Tensor y = x.roll(1, 1);
     std::vector<double> pass;
     for (int i = 0; i < 7; ++i) {
       barrier(world);
