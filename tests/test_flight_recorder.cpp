@@ -10,11 +10,15 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <thread>
 
 namespace tessera {
@@ -145,6 +149,60 @@ TEST(FlightRecorder, RecordsEachOperationOfACommunicator) {
   }
 }
 
+// Note [Stuck inside an operation]: ranks 0 and 1 give up on all_reduce #1;
+// rank 2 entered it with them and is still inside; rank 3 entered it later
+// and is merely waiting.
+TEST(FlightRecorder, TheReaderNamesARankStuckInsideAnOperation) {
+  const std::string dir = fresh_dir("flight_stuck");
+  std::vector<std::unique_ptr<comm::FlightRecorder>> r;
+  std::vector<int64_t> ids;
+  for (int k = 0; k < 4; ++k) {
+    r.push_back(std::make_unique<comm::FlightRecorder>(recorder_options(8), k, 4));
+    r.back()->add_communicator("data", "mpi", {0, 1, 2, 3});
+  }
+  for (int k = 0; k < 3; ++k) ids.push_back(r[k]->issued(0, "all_reduce", 1, {}, 64, "Float"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ids.push_back(r[3]->issued(0, "all_reduce", 1, {}, 64, "Float"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  r[0]->ended(ids[0], comm::OpState::kTimedOut);
+  r[1]->ended(ids[1], comm::OpState::kTimedOut);
+  for (int k = 0; k < 4; ++k) r[k]->dump_to(comm::FlightRecorder::record_path(dir, k), "test");
+  const comm::FlightVerdict v = comm::analyze_flight_records(dir);
+  const std::string text = v.text();
+  EXPECT_EQ(v.behind, std::vector<int>{2}) << text;
+  EXPECT_NE(text.find("world rank(s) 2 entered it with the ranks that gave up and were still inside it"),
+            std::string::npos)
+      << text;
+  // Records dumped before `since_us` are an earlier run's.
+  EXPECT_THROW(comm::analyze_flight_records(dir, r[3]->started_us() + 3600LL * 1000 * 1000), c10::Error);
+}
+
+// Note [Records on a fatal signal]: a process ended by SIGTERM (as a
+// launcher ends the survivors of a job whose rank died) writes its record
+// first, then dies of the signal. Run in a forked child.
+TEST(FlightRecorder, WritesItsRecordOnAFatalSignal) {
+  const std::string dir = fresh_dir("flight_signal");
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    comm::FlightRecorder recorder(recorder_options(8, dir), 3, 4);
+    const int c = recorder.add_communicator("data", "mpi", {0, 1, 2, 3});
+    recorder.issued(c, "all_reduce", 1, {}, 64, "Float");  // never completes
+    ::raise(SIGTERM);
+    ::_exit(0);  // not reached: the signal ends the process
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
+  const std::string path = comm::FlightRecorder::record_path(dir, 3);
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good()) << "no record at " << path;
+  const json record = json::parse(in);
+  EXPECT_EQ(record["reason"], "signal 15 (Terminated)");
+  ASSERT_EQ(record["entries"].size(), 1u);
+  EXPECT_EQ(record["entries"][0]["state"], "issued");
+}
+
 // The reader from records it is handed: ranks that called different
 // collectives, and a rank whose record is missing.
 TEST(FlightRecorder, TheReaderNamesMismatchesAndMissingRecords) {
@@ -206,6 +264,10 @@ TEST(FlightRecorder, AStalledRankIsNamedFromEveryRanksRecord) {
       message = e.what();
     }
     EXPECT_NE(message.find("all_reduce #4 on communicator 'stall'"), std::string::npos) << message;
+    // Every waiter's message names the late rank, from the records it waited for.
+    EXPECT_NE(message.find(fmt::format("Flight records of {} of {} ranks in {}", n, n, dir)), std::string::npos)
+        << message;
+    EXPECT_NE(message.find(fmt::format("put world rank(s) {} behind", late)), std::string::npos) << message;
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (world->rank() != 0) return;

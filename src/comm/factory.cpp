@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace tessera {
 namespace comm {
@@ -47,17 +48,32 @@ bool nccl_available() {
 #endif
 }
 
-std::shared_ptr<FlightRecorder> flight_recorder_of(const CommunicatorPtr& comm) {
+namespace {
+
+// `get` applied to the backend communicator under the tracing and checking
+// decorators; null for a communicator of another kind.
+template <typename Get>
+auto from_backend(const CommunicatorPtr& comm, const Get& get) -> decltype(get(std::declval<MpiCommunicator&>())) {
   if (!comm) return nullptr;
   if (const auto* traced = dynamic_cast<const TracingCommunicator*>(comm.get()))
-    return flight_recorder_of(traced->inner());
+    return from_backend(traced->inner(), get);
   if (const auto* checked = dynamic_cast<const CheckedCommunicator*>(comm.get()))
-    return flight_recorder_of(checked->inner());
-  if (const auto* mpi = dynamic_cast<const MpiCommunicator*>(comm.get())) return mpi->flight_recorder();
+    return from_backend(checked->inner(), get);
+  if (auto* mpi = dynamic_cast<MpiCommunicator*>(comm.get())) return get(*mpi);
 #ifdef TESSERA_HAVE_NCCL
-  if (const auto* nccl = dynamic_cast<const NcclCommunicator*>(comm.get())) return nccl->flight_recorder();
+  if (auto* nccl = dynamic_cast<NcclCommunicator*>(comm.get())) return get(*nccl);
 #endif
   return nullptr;
+}
+
+}  // namespace
+
+std::shared_ptr<FlightRecorder> flight_recorder_of(const CommunicatorPtr& comm) {
+  return from_backend(comm, [](const auto& backend) { return backend.flight_recorder(); });
+}
+
+std::shared_ptr<FaultInjector> fault_injector_of(const CommunicatorPtr& comm) {
+  return from_backend(comm, [](const auto& backend) { return backend.fault_injector(); });
 }
 
 CommunicatorPtr make_world_communicator(const WorldOptions& options) {

@@ -7,16 +7,20 @@
 
 #include <c10/util/Exception.h>
 #include <dirent.h>
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 namespace tessera {
 namespace comm {
@@ -46,6 +50,27 @@ std::vector<int> records_since(const std::string& dir, int64_t since_us) {
   }
   ::closedir(d);
   return ranks;
+}
+
+// Note [Records on a fatal signal]: the process-wide part.
+constexpr int kFatalSignals[] = {SIGTERM, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+std::atomic<int> signal_pipe{-1};           // the claiming recorder's wake pipe; -1: none
+std::atomic<int> signal_record_written{0};  // set by the watcher once the record is on disk
+struct sigaction previous_actions[NSIG];
+
+void on_fatal_signal(int signo) {
+  const int saved_errno = errno;
+  const int fd = signal_pipe.load();
+  if (fd >= 0) {
+    const unsigned char byte = static_cast<unsigned char>(signo);
+    if (::write(fd, &byte, 1) == 1) {
+      const timespec tick = {0, 10 * 1000 * 1000};
+      for (int i = 0; i < 200 && signal_record_written.load() == 0; ++i) ::nanosleep(&tick, nullptr);
+    }
+  }
+  ::sigaction(signo, &previous_actions[signo], nullptr);
+  errno = saved_errno;
+  ::raise(signo);
 }
 
 }  // namespace
@@ -91,29 +116,54 @@ FlightRecorder::FlightRecorder(FlightRecorderOptions options, int world_rank, in
     if (::mkdir(options_.dir.c_str(), 0755) != 0 && errno != EEXIST)
       TORCH_CHECK(false, "flight recorder: cannot create the record directory '", options_.dir, "' (",
                   std::strerror(errno), "); set TESSERA_TRACE_DIR to a writable directory whose parent exists");
+    int fds[2];
+    TORCH_CHECK(::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0,
+                "flight recorder: cannot make a pipe: ", std::strerror(errno));
+    wake_read_ = fds[0];
+    wake_write_ = fds[1];
     watcher_ = std::thread([this] { watch(); });
+    install_signal_handlers();
   }
 }
 
 FlightRecorder::~FlightRecorder() {
   if (!watcher_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(watch_mutex_);
-    stop_ = true;
+  remove_signal_handlers();
+  const unsigned char stop = 0;
+  while (::write(wake_write_, &stop, 1) != 1 && errno == EINTR) {
   }
-  watch_cv_.notify_all();
   watcher_.join();
+  ::close(wake_read_);
+  ::close(wake_write_);
+}
+
+void FlightRecorder::install_signal_handlers() {
+  int none = -1;
+  if (!signal_pipe.compare_exchange_strong(none, wake_write_)) return;  // another recorder has them
+  handles_signals_ = true;
+  struct sigaction action {};
+  action.sa_handler = on_fatal_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int signo : kFatalSignals) ::sigaction(signo, &action, &previous_actions[signo]);
+}
+
+void FlightRecorder::remove_signal_handlers() {
+  if (!handles_signals_) return;
+  for (int signo : kFatalSignals) ::sigaction(signo, &previous_actions[signo], nullptr);
+  signal_pipe.store(-1);
+  handles_signals_ = false;
 }
 
 int FlightRecorder::add_communicator(const std::string& name, const std::string& backend,
-                                     const std::vector<int>& world_ranks) {
+                                     const std::vector<int>& world_ranks, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
-  comms_.push_back(CommRow{name, backend, world_ranks, 0, 0, 0});
+  comms_.push_back(CommRow{name, backend, world_ranks, 0, 0, 0, 1000 * static_cast<int64_t>(timeout.count())});
   return static_cast<int>(comms_.size()) - 1;
 }
 
 int64_t FlightRecorder::issued(int comm, const char* op, int64_t seq, const std::vector<int>& peers, int64_t bytes,
-                               const char* dtype) {
+                               const char* dtype, bool posted) {
   if (capacity_ == 0) return -1;
   const int64_t start = now_us();
   const bool p2p =
@@ -131,10 +181,18 @@ int64_t FlightRecorder::issued(int comm, const char* op, int64_t seq, const std:
   e.bytes = bytes;
   e.dtype = dtype;
   e.state = OpState::kIssued;
+  e.posted = posted;
   e.start_us = start;
   e.end_us = 0;
   row.last_issued = seq;
   return id;
+}
+
+void FlightRecorder::posted(int64_t id) {
+  if (id < 0 || capacity_ == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry& e = ring_[static_cast<size_t>(id % capacity_)];
+  if (e.id == id) e.posted = true;
 }
 
 void FlightRecorder::ended(int64_t id, OpState state) {
@@ -151,6 +209,13 @@ void FlightRecorder::ended(int64_t id, OpState state) {
   }
 }
 
+bool FlightRecorder::overdue_locked(const Entry& e, int64_t now) const {
+  if (e.id < 0 || e.state != OpState::kIssued || e.posted) return false;
+  const CommRow& row = comms_[static_cast<size_t>(e.comm)];
+  if (row.timeout_us <= 0) return false;
+  return now - e.start_us > row.timeout_us + 1000 * static_cast<int64_t>(options_.poll.count());
+}
+
 std::string FlightRecorder::to_json(const std::string& reason) const {
   using nlohmann::json;
   json record;
@@ -162,7 +227,8 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
   record["host"] = host;
   record["pid"] = static_cast<int64_t>(::getpid());
   record["reason"] = reason;
-  record["dumped_us"] = now_us();
+  const int64_t dumped = now_us();
+  record["dumped_us"] = dumped;
   record["capacity"] = capacity_;
   std::lock_guard<std::mutex> lock(mutex_);
   json comms = json::array();
@@ -172,7 +238,8 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
                      {"world_ranks", c.world_ranks},
                      {"last_issued", c.last_issued},
                      {"last_completed", c.last_completed},
-                     {"collectives", c.collectives}});
+                     {"collectives", c.collectives},
+                     {"timeout_us", c.timeout_us}});
   record["communicators"] = std::move(comms);
   json entries = json::array();
   const int64_t first = next_id_ > capacity_ ? next_id_ - capacity_ : 0;
@@ -188,7 +255,8 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
                        {"dtype", e.dtype},
                        {"state", op_state_name(e.state)},
                        {"start_us", e.start_us},
-                       {"end_us", e.end_us}});
+                       {"end_us", e.end_us},
+                       {"overdue", overdue_locked(e, dumped)}});
   }
   record["entries"] = std::move(entries);
   return record.dump(1);
@@ -223,22 +291,61 @@ std::string FlightRecorder::dump(const std::string& reason) {
   return path;
 }
 
+int64_t FlightRecorder::started_us() const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(started_.time_since_epoch()).count();
+}
+
 void FlightRecorder::dump_on_timeout(const std::string& reason) {
   if (dump(reason).empty()) return;
-  const int64_t since = std::chrono::duration_cast<std::chrono::microseconds>(started_.time_since_epoch()).count();
+  const int64_t since = started_us();
   const auto deadline = std::chrono::steady_clock::now() + options_.peer_wait;
   while (std::chrono::steady_clock::now() < deadline) {
-    if (static_cast<int>(records_since(options_.dir, since).size()) >= world_size_) return;
+    if (static_cast<int>(records_since(options_.dir, since).size()) >= world_size_) {
+      // Time for a rank stuck inside an operation to mark it overdue (Note [Overdue operations]).
+      std::this_thread::sleep_for(2 * options_.poll);
+      return;
+    }
     std::this_thread::sleep_for(options_.poll);
   }
 }
 
 void FlightRecorder::watch() {
-  const int64_t since = std::chrono::duration_cast<std::chrono::microseconds>(started_.time_since_epoch()).count();
+  const int64_t since = started_us();
   const std::string request = options_.dir + "/flight.request";
   int64_t last_request = std::max(mtime_us(request), since - 1);
-  std::unique_lock<std::mutex> lock(watch_mutex_);
-  while (!watch_cv_.wait_for(lock, options_.poll, [this] { return stop_; })) {
+  for (;;) {
+    pollfd wake = {wake_read_, POLLIN, 0};
+    if (::poll(&wake, 1, static_cast<int>(options_.poll.count())) > 0) {
+      unsigned char byte = 0;
+      if (::read(wake_read_, &byte, 1) == 1) {
+        if (byte == 0) return;  // the destructor
+        dump(fmt::format("signal {} ({})", static_cast<int>(byte), ::strsignal(byte)));
+        signal_record_written.store(1);
+        continue;
+      }
+    }
+    if (!overdue_reported_) {
+      std::string stuck;
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        const int64_t now = now_us();
+        for (const Entry& e : ring_) {
+          if (!overdue_locked(e, now)) continue;
+          const CommRow& row = comms_[static_cast<size_t>(e.comm)];
+          stuck = fmt::format(
+              "{} #{} on '{}' has been in progress for {:.1f} s, past its timeout of {:g} s: this "
+              "rank is stuck inside it (Note [Overdue operations])",
+              e.op, e.seq, row.name, 1e-6 * static_cast<double>(now - e.start_us),
+              1e-6 * static_cast<double>(row.timeout_us));
+          break;
+        }
+      }
+      if (!stuck.empty()) {
+        overdue_reported_ = true;
+        dump(stuck);
+        continue;
+      }
+    }
     const int64_t touched = mtime_us(request);
     if (touched > last_request) {
       last_request = touched;

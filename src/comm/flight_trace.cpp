@@ -81,12 +81,14 @@ std::string FlightVerdict::text() const {
   return out;
 }
 
-FlightVerdict analyze_flight_records(const std::string& dir) {
+FlightVerdict analyze_flight_records(const std::string& dir, int64_t since_us) {
   std::map<int, json> records;
   if (DIR* d = ::opendir(dir.c_str())) {
     while (const dirent* e = ::readdir(d)) {
       int rank = -1;
-      if (detail::parse_record_name(e->d_name, &rank)) records[rank] = read_record(dir + "/" + e->d_name);
+      if (!detail::parse_record_name(e->d_name, &rank)) continue;
+      json record = read_record(dir + "/" + e->d_name);
+      if (record.value("dumped_us", int64_t{0}) >= since_us) records[rank] = std::move(record);
     }
     ::closedir(d);
   }
@@ -125,8 +127,11 @@ FlightVerdict analyze_flight_records(const std::string& dir) {
     }
   }
 
-  std::set<int> behind;
-  std::vector<std::string> stalls, mismatches, lost;
+  // behind: every rank some waiter waited for; waiting_ranks: ranks waiting
+  // themselves (not stuck); causes: stuck or without a record.
+  std::set<int> behind, waiting_ranks, causes;
+  std::vector<std::string> stalls, mismatches;
+  std::vector<std::pair<std::string, std::vector<int>>> waits;  // a finding, and the ranks it puts behind
   for (const auto& [key, members] : groups) {
     const auto& [name, backend, world_ranks, occurrence] = key;
     if (world_ranks.size() < 2) continue;
@@ -211,29 +216,116 @@ FlightVerdict analyze_flight_records(const std::string& dir) {
         late.push_back(r);
         late_detail += fmt::format("; world rank {}: {}", r, last_seen(it->second));
       }
+      // Note [Stuck inside an operation]: a waiter that entered about when
+      // the ones that gave up did, and was still inside half their wait
+      // later without giving up itself, hangs in the operation itself.
+      int64_t latest_gave_up = -1, gave_up_after = -1;
+      for (int r : waiters) {
+        const json& e = *pending.at(r);
+        if (e.at("state").get<std::string>() != "timed out") continue;
+        latest_gave_up = std::max(latest_gave_up, e.at("start_us").get<int64_t>());
+        const int64_t wait = e.at("end_us").get<int64_t>() - e.at("start_us").get<int64_t>();
+        gave_up_after = gave_up_after < 0 ? wait : std::min(gave_up_after, wait);
+      }
+      std::vector<int> stuck;
+      for (int r : waiters) {
+        const json& e = *pending.at(r);
+        if (latest_gave_up < 0 || e.at("state").get<std::string>() != "issued") continue;
+        const int64_t start = e.at("start_us").get<int64_t>();
+        const int64_t open = records.at(r).value("dumped_us", int64_t{0}) - start;
+        if (start <= latest_gave_up + gave_up_after / 2 && open >= gave_up_after / 2) stuck.push_back(r);
+      }
+      // Marked by the rank's own watcher (Note [Overdue operations]).
+      for (int r : waiters) {
+        const json& e = *pending.at(r);
+        if (e.value("overdue", false) && std::find(stuck.begin(), stuck.end(), r) == stuck.end()) stuck.push_back(r);
+      }
+      // A waiter that entered only after another had given up was late by
+      // more than the timeout (a rank stopped, then continued at the end).
+      int64_t first_gave_up = -1;
+      for (int r : waiters) {
+        const json& e = *pending.at(r);
+        if (e.at("state").get<std::string>() == "timed out")
+          first_gave_up = first_gave_up < 0 ? e.at("end_us").get<int64_t>()
+                                            : std::min(first_gave_up, e.at("end_us").get<int64_t>());
+      }
+      std::vector<int> arrived_late;
+      for (int r : waiters)
+        if (first_gave_up >= 0 && pending.at(r)->at("start_us").get<int64_t>() > first_gave_up)
+          arrived_late.push_back(r);
       std::string sentence =
           fmt::format("on {} world rank(s) {} waited in {}{}", group, rank_list(waiters), describe_entry(first),
                       waited > 0 ? fmt::format(" and gave up after {:.1f} s", waited) : "");
-      if (!late.empty()) {
-        sentence += fmt::format(": world rank(s) {} had not {} it, so they are behind{}", rank_list(late),
-                                n > 0 ? "issued" : "posted the matching operation for", late_detail);
-        behind.insert(late.begin(), late.end());
+      auto has = [](const std::vector<int>& v, int r) { return std::find(v.begin(), v.end(), r) != v.end(); };
+      for (int r : waiters)
+        if (!has(stuck, r) && !has(arrived_late, r)) waiting_ranks.insert(r);
+      for (const auto* v : {&stuck, &unknown, &arrived_late}) causes.insert(v->begin(), v->end());
+      std::string sep = ": ";  // between the parts of the sentence
+      if (!stuck.empty()) {
+        sentence += sep + fmt::format(
+                              "world rank(s) {} entered it with the ranks that gave up and were still inside it, "
+                              "without giving up, when they wrote their record, so they are stuck inside it",
+                              rank_list(stuck));
+        behind.insert(stuck.begin(), stuck.end());
+        sep = "; ";
       }
+      if (!arrived_late.empty()) {
+        sentence += sep + fmt::format(
+                              "world rank(s) {} entered it only after a rank had given up on it, so they are behind "
+                              "by more than the timeout",
+                              rank_list(arrived_late));
+        behind.insert(arrived_late.begin(), arrived_late.end());
+        sep = "; ";
+      }
+      if (!late.empty()) {
+        sentence += sep + fmt::format("world rank(s) {} had not {} it, so they are behind{}", rank_list(late),
+                                      n > 0 ? "issued" : "posted the matching operation for", late_detail);
+        behind.insert(late.begin(), late.end());
+        sep = "; ";
+      }
+      const bool named_here = sep == "; ";
       if (!unknown.empty()) {
-        sentence += fmt::format("{}world rank(s) {} wrote no record (died, stopped or killed before writing)",
-                                late.empty() ? ": " : "; ", rank_list(unknown));
+        sentence += sep + fmt::format("world rank(s) {} wrote no record (died, stopped or killed before writing)",
+                                      rank_list(unknown));
         behind.insert(unknown.begin(), unknown.end());
       }
-      if (late.empty() && unknown.empty())
+      if (!named_here && unknown.empty())
         sentence += fmt::format(
             ": {} it too, so no rank fell behind here: the transport stalled, or the ranks "
             "wait on each other",
             also_waiting.empty() ? "every member issued" : "world rank(s) " + rank_list(also_waiting) + " issued");
-      (late.empty() && !unknown.empty() ? lost : stalls).push_back(sentence);
+      {
+        std::vector<int> put_behind = late;
+        put_behind.insert(put_behind.end(), stuck.begin(), stuck.end());
+        put_behind.insert(put_behind.end(), arrived_late.begin(), arrived_late.end());
+        put_behind.insert(put_behind.end(), unknown.begin(), unknown.end());
+        waits.emplace_back(sentence, put_behind);
+      }
     }
   }
-  // What each rank that is behind was last seen doing.
-  for (int r : behind) {
+  // A rank behind in one group because it waits in another is a victim:
+  // the ones named are those stuck, without a record, or waiting nowhere
+  // (all that are behind, if every one of them waits).
+  std::set<int> named;
+  for (int r : behind)
+    if (causes.count(r) || !waiting_ranks.count(r)) named.insert(r);
+  if (named.empty()) named = behind;
+  std::vector<int> victims;
+  for (int r : behind)
+    if (!named.count(r)) victims.push_back(r);
+  // The waits that put a named rank behind first.
+  for (int first = 1; first >= 0; --first)
+    for (const auto& [sentence, ranks] : waits) {
+      const bool names = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return named.count(r) > 0; });
+      if (names == (first == 1)) stalls.push_back(sentence);
+    }
+  if (!victims.empty())
+    stalls.push_back(
+        fmt::format("world rank(s) {} are behind only because they wait in another operation, "
+                    "for the rank(s) above",
+                    rank_list(victims)));
+  // What each rank named was last seen doing.
+  for (int r : named) {
     const auto it = records.find(r);
     if (it == records.end()) continue;
     const json* latest = nullptr;
@@ -251,9 +343,8 @@ FlightVerdict analyze_flight_records(const std::string& dir) {
                : std::string("none"),
         reason));
   }
-  verdict.behind.assign(behind.begin(), behind.end());
-  for (auto* list : {&stalls, &lost, &mismatches})
-    verdict.findings.insert(verdict.findings.end(), list->begin(), list->end());
+  verdict.behind.assign(named.begin(), named.end());
+  for (auto* list : {&stalls, &mismatches}) verdict.findings.insert(verdict.findings.end(), list->begin(), list->end());
   return verdict;
 }
 

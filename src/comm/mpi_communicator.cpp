@@ -241,6 +241,8 @@ detail::OpInfo MpiCommunicator::begin(const char* op, const at::Tensor& tensor, 
 
 std::shared_ptr<FlightRecorder> MpiCommunicator::flight_recorder() const { return options_.abort->recorder(); }
 
+std::shared_ptr<FaultInjector> MpiCommunicator::fault_injector() const { return options_.abort->faults(); }
+
 CommunicatorPtr MpiCommunicator::control() {
   if (control_) return control_;
   return shared_from_this();

@@ -207,6 +207,8 @@ NcclCommunicator::~NcclCommunicator() = default;
 
 std::shared_ptr<FlightRecorder> NcclCommunicator::flight_recorder() const { return state_->info->abort->recorder(); }
 
+std::shared_ptr<FaultInjector> NcclCommunicator::fault_injector() const { return state_->info->abort->faults(); }
+
 WorkPtr NcclCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   const OpType op = OpType::kAllReduce;
   validate_all_reduce(*this, tensor, options.op);

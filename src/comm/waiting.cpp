@@ -1,5 +1,6 @@
 #include "waiting.h"
 
+#include "tessera/comm/flight_trace.h"
 #include "tessera/comm/mpi_check.h"
 
 #include <c10/util/Exception.h>
@@ -54,7 +55,8 @@ std::shared_ptr<AbortState> AbortState::create(const FlightRecorderOptions& opti
   int rank = 0, size = 1;
   TESSERA_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   TESSERA_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return std::make_shared<AbortState>(std::make_shared<FlightRecorder>(options, rank, size));
+  return std::make_shared<AbortState>(std::make_shared<FlightRecorder>(options, rank, size),
+                                      FaultInjector::from_env(rank, size));
 }
 
 void AbortState::abort(const std::string& reason) {
@@ -89,15 +91,21 @@ std::shared_ptr<const CommInfo> make_comm_info(MPI_Comm comm, const std::string&
   MPI_Group_free(&world);
   TESSERA_MPI_CHECK(result);
   if (info->abort && info->abort->recorder())
-    info->recorder_comm = info->abort->recorder()->add_communicator(name, backend, info->world_ranks);
+    info->recorder_comm = info->abort->recorder()->add_communicator(name, backend, info->world_ranks, info->timeout);
   return info;
 }
 
 OpInfo begin_op(const std::shared_ptr<const CommInfo>& comm, const char* op, int64_t seq, std::vector<int> peers,
                 int64_t bytes, const char* dtype) {
   OpInfo info{comm, op, seq, std::move(peers), -1};
+  FaultInjector* faults = comm->abort ? comm->abort->faults().get() : nullptr;
   if (comm->recorder_comm >= 0)
-    info.record = comm->abort->recorder()->issued(comm->recorder_comm, op, seq, info.peers, bytes, dtype);
+    info.record = comm->abort->recorder()->issued(comm->recorder_comm, op, seq, info.peers, bytes, dtype,
+                                                  /*posted=*/faults == nullptr);
+  if (faults) {
+    faults->before_op(op);  // an injected hang stays here
+    if (comm->recorder_comm >= 0) comm->abort->recorder()->posted(info.record);
+  }
   return info;
 }
 
@@ -110,6 +118,28 @@ void check_not_aborted(const CommInfo& comm, const char* op) {
   TORCH_CHECK(false, op, " on communicator '", comm.name, "': refused, the communicators of this job were aborted ",
               "after an earlier timeout: ", comm.abort->reason());
 }
+
+namespace {
+
+// What the records in the recorder's directory say about who is behind,
+// for the end of a timeout message; "" without records.
+std::string flight_summary(const FlightRecorder& recorder) {
+  if (recorder.dir().empty()) return "";
+  try {
+    const FlightVerdict v = analyze_flight_records(recorder.dir(), recorder.started_us());
+    std::string out = fmt::format(" Flight records of {} of {} ranks in {} (tessera_trace {})", v.ranks_read.size(),
+                                  v.world_size, recorder.dir(), recorder.dir());
+    if (v.behind.empty()) return out + " name no rank as behind.";
+    std::string ranks;
+    for (int r : v.behind) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    out += fmt::format(" put world rank(s) {} behind", ranks);
+    return out + (v.findings.empty() ? "." : ": " + v.findings.front() + ".");
+  } catch (const std::exception& e) {
+    return fmt::format(" The flight records in {} could not be read: {}", recorder.dir(), e.what());
+  }
+}
+
+}  // namespace
 
 void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::function<void()>& on_abort) {
   using Clock = std::chrono::steady_clock;
@@ -141,7 +171,10 @@ void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::
   if (on_abort) on_abort();
   if (c.abort) c.abort->abort(describe(c, op.op, op.seq) + " timed out");
   end_op(op, OpState::kTimedOut);
-  if (c.abort && c.abort->recorder()) c.abort->recorder()->dump_on_timeout(message);
+  if (c.abort && c.abort->recorder()) {
+    c.abort->recorder()->dump_on_timeout(message);
+    throw TimeoutError(message + flight_summary(*c.abort->recorder()));
+  }
   throw TimeoutError(message);
 }
 

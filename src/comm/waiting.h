@@ -3,6 +3,7 @@
 // communicator.h). Internal to comm/.
 #include "tessera/comm/communicator.h"
 #include "tessera/comm/flight_recorder.h"
+#include "tessera/core/fault_injection.h"
 
 #include <mpi.h>
 
@@ -21,11 +22,14 @@ namespace detail {
 
 // Shared by a world communicator, its control channel and everything split
 // from them: once one of them times out, all refuse further operations.
-// The family's flight recorder lives here too (Note [Flight recorder]).
+// The family's flight recorder lives here too (Note [Flight recorder]), and
+// its fault injector (Note [Fault injection] in core/fault_injection.h).
 class AbortState {
  public:
-  explicit AbortState(std::shared_ptr<FlightRecorder> recorder) : recorder_(std::move(recorder)) {}
-  // A new family recording with `options` (this process's world rank names its file).
+  AbortState(std::shared_ptr<FlightRecorder> recorder, std::shared_ptr<FaultInjector> faults)
+      : recorder_(std::move(recorder)), faults_(std::move(faults)) {}
+  // A new family recording with `options` (this process's world rank names
+  // its file), injecting TESSERA_FAULT's faults.
   static std::shared_ptr<AbortState> create(const FlightRecorderOptions& options);
 
   // Keeps the first reason.
@@ -33,9 +37,12 @@ class AbortState {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   std::string reason() const;
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
+  // Null without TESSERA_FAULT.
+  const std::shared_ptr<FaultInjector>& faults() const { return faults_; }
 
  private:
   std::shared_ptr<FlightRecorder> recorder_;
+  std::shared_ptr<FaultInjector> faults_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex mutex_;
   std::string reason_;
@@ -69,7 +76,7 @@ struct OpInfo {
 };
 
 // Records operation `seq` as issued on the family's flight recorder and
-// returns its info. bytes/dtype as in Note [Trace byte
+// returns its info (after which an injected hang stops here). bytes/dtype as in Note [Trace byte
 // counts]; dtype a static string ("" for none).
 OpInfo begin_op(const std::shared_ptr<const CommInfo>& comm, const char* op, int64_t seq, std::vector<int> peers,
                 int64_t bytes, const char* dtype);

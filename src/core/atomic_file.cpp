@@ -7,13 +7,20 @@
 
 namespace tessera {
 
-void write_file_atomically(const std::string& path, const std::string& text) {
+void write_file_atomically(const std::string& path, const std::string& text, const WriteHook& hook) {
   const std::string tmp = path + ".tmp";
   bool ok = false;
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     TORCH_CHECK(f.good(), "cannot write ", tmp, "; is the directory there and writable?");
-    f.write(text.data(), static_cast<std::streamsize>(text.size()));
+    const auto total = static_cast<int64_t>(text.size());
+    const int64_t half = hook ? total / 2 : total;
+    f.write(text.data(), static_cast<std::streamsize>(half));
+    if (hook) {
+      f.flush();
+      hook(f, half, total);
+      f.write(text.data() + half, static_cast<std::streamsize>(total - half));
+    }
     f.flush();
     ok = f.good();
   }

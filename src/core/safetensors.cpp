@@ -40,7 +40,7 @@ at::ScalarType dtype_of(const std::string& name, const std::string& path) {
 }  // namespace
 
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+                       const std::map<std::string, std::string>& metadata, const WriteHook& hook) {
   Json header = Json::object();
   std::map<std::string, std::string> meta = metadata;
   std::vector<at::Tensor> data;
@@ -67,8 +67,17 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
     for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(n >> (8 * i));
     out.write(reinterpret_cast<const char*>(le), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& c : data)
+    const auto total = static_cast<int64_t>(8 + text.size()) + offset;
+    int64_t written = total - offset;
+    if (hook) hook(out, written, total);
+    for (const auto& c : data) {
       out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * c.element_size()));
+      written += c.numel() * static_cast<int64_t>(c.element_size());
+      if (hook) {
+        out.flush();
+        hook(out, written, total);
+      }
+    }
     out.flush();
     TORCH_CHECK(out.good(), "safetensors: writing ", tmp, " failed (disk full?)");
   }

@@ -1,5 +1,6 @@
 #include "tessera/train/checkpoint.h"
 
+#include "tessera/comm/factory.h"
 #include "tessera/core/atomic_file.h"
 #include "tessera/core/remove_tree.h"
 #include "tessera/core/safetensors.h"
@@ -53,6 +54,15 @@ std::string file_name(int rank) { return fmt::format("rank-{:05d}.safetensors", 
 void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pieces, const std::string& metadata_json,
                      const comm::CommunicatorPtr& world, const CheckpointOptions& options) {
   TORCH_CHECK(world != nullptr, "save_checkpoint: the communicator must not be null");
+  // Note [Fault injection]: the save is a place faults fire in.
+  const std::shared_ptr<FaultInjector> faults = comm::fault_injector_of(world);
+  if (faults) faults->begin_save();
+  struct EndSave {
+    FaultInjector* faults;
+    ~EndSave() {
+      if (faults) faults->end_save();
+    }
+  } end_save{faults.get()};
   // Flags, descriptions and the barrier are host data (Note [Control traffic]).
   const comm::CommunicatorPtr control = world->control();
   Json metadata;
@@ -128,16 +138,22 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
   try {
     if (!to_write.empty()) {
       const std::string path = partial + "/" + file_name(rank);
-      write_safetensors(path, to_write);
+      write_safetensors(path, to_write, {}, faults ? faults->file_hook() : nullptr);
       if (options.after_file()) options.after_file()(path);
     }
   } catch (const std::exception& e) {
     error = e.what();
   }
-  at::Tensor failed = at::tensor({error.empty() ? 0L : 1L}, at::kLong);
-  control->all_reduce(failed);
-  TORCH_CHECK(failed.item<int64_t>() == 0, "save_checkpoint: ", failed.item<int64_t>(),
-              " rank(s) could not write their file", error.empty() ? "" : ": ", error);
+  // Every rank learns which ranks failed, and why.
+  const auto errors = comm::all_gather_strings(*control, error);
+  std::string failed, first;
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    if (first.empty()) first = fmt::format("rank {}: {}", r, errors[r]);
+  }
+  TORCH_CHECK(failed.empty(), "save_checkpoint: rank(s) ", failed, " of the world could not write their file into ",
+              partial, " (", first, "). ", dir, " was left as it was; free space or fix the directory and save again.");
 
   if (rank == 0) {
     Json files = Json::object();
@@ -147,7 +163,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     }
     Json index = {{"format", "tessera-checkpoint"}, {"version", 2},   {"world_size", world->size()},
                   {"metadata", metadata},           {"files", files}, {"tensors", tensors}};
-    write_file_atomically(partial + "/index.json", index.dump(1));
+    write_file_atomically(partial + "/index.json", index.dump(1), faults ? faults->index_hook() : nullptr);
     remove_tree(old);
     if (fs::exists(dir)) fs::rename(dir, old);
     if (options.before_move_in()) options.before_move_in()();

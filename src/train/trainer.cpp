@@ -71,6 +71,7 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
               options_.clip_grad_norm());
   options_.lr().validate();
   recorder_ = comm::flight_recorder_of(ctx_->world());
+  faults_ = comm::fault_injector_of(ctx_->world());
   // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
   const auto& config = ctx_->config();
   if (config.expert() > 1) {
@@ -171,11 +172,16 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
 StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& targets) {
   const auto start = std::chrono::steady_clock::now();
   const double waited_before = recorder_ ? recorder_->waited_seconds() : 0;
+  if (faults_) faults_->begin_step(step_ + 1);
   StepStats stats;
   stats.lr = options_.lr().at(step_);
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(stats.lr);
   optimizer_->zero_grad();
   const double local_loss = forward_backward(inputs, targets);
+  if (faults_) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    faults_->slow_down(elapsed - (recorder_ ? recorder_->waited_seconds() - waited_before : 0));
+  }
 
   std::vector<comm::CommunicatorPtr> across;
   std::vector<at::Tensor> uncounted;

@@ -4,6 +4,7 @@
 #include "tessera/comm/communicator.h"
 #include "tessera/comm/flight_recorder.h"
 #include "tessera/comm/tracing_communicator.h"
+#include "tessera/core/fault_injection.h"
 
 #include <c10/core/Device.h>
 
@@ -43,6 +44,9 @@ CommunicatorPtr make_world_communicator(const WorldOptions& options = {});
 // The flight recorder of `comm`'s family (through the tracing and checking
 // decorators), or null for a communicator of another kind.
 std::shared_ptr<FlightRecorder> flight_recorder_of(const CommunicatorPtr& comm);
+// Its fault injector (Note [Fault injection] in core/fault_injection.h), or
+// null without TESSERA_FAULT.
+std::shared_ptr<FaultInjector> fault_injector_of(const CommunicatorPtr& comm);
 
 // True when this build of tessera includes the NCCL backend.
 bool nccl_available();

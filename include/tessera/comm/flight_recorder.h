@@ -18,16 +18,45 @@
 //    in a timed wait) still says what it last did. This is the shared
 //    directory standing in for PyTorch's store-based "dump on peer timeout";
 //  - when DIR/flight.request is touched (on request, each new touch);
-//  - when code calls dump() (the trainer does on an uncaught error).
+//  - when code calls dump() (the trainer does on an uncaught error);
+//  - on a fatal signal (Note [Records on a fatal signal]).
 // Only records whose modification time is at or after the recorder's start
 // count as peers' records, so files left from an earlier run trigger nothing.
 // `tessera_trace DIR` reads them all and names the rank that is behind.
 //
 // NCCL operations are issued on a stream: their entries say "issued" until
 // a wait or is_completed() on the host observes their event.
+//
+// Note [Overdue operations]
+// An entry stays "issued" while its operation is in flight, and an
+// asynchronous one may stay so for long while the rank waits for
+// something else. What no healthy rank does is stay inside the call that
+// issues an operation: tessera's calls post nonblocking operations and
+// wait in timed waits. So an entry whose issuing call has not returned a
+// poll interval past its communicator's timeout is stuck inside it: an
+// injected hang (Note [Fault injection]) is the one way in today, which is
+// why only then is the call's return recorded (posted()); otherwise
+// entries are posted when issued, at no cost. The watcher checks each
+// poll, and the first time it finds one it writes the record, naming it,
+// as PyTorch's NCCL watchdog does for a hung collective; such entries are
+// marked "overdue" in the record, and the reader names their rank as stuck.
+//
+// Note [Records on a fatal signal]
+// A launcher ends the other ranks of a job whose rank died with SIGTERM
+// (then SIGKILL); a crash raises SIGSEGV, SIGBUS, SIGFPE, SIGILL or
+// SIGABRT. The first recorder of a process with a directory installs a
+// handler for these. A handler may only call async-signal-safe functions,
+// and JSON and file writes are not, so it writes the signal's number into
+// a pipe, which wakes the watcher thread; the watcher writes the record,
+// and the handler waits for that (2 s at most, since the interrupted
+// thread may hold a lock the writer needs), then puts back the action
+// that was there before (Open MPI's, LibTorch's or the default) and raises
+// the signal again. Signals belong to the whole process, so the pipe's
+// write end is the one process-wide variable of comm/, owned by that
+// recorder and given up by its destructor. SIGKILL and SIGSTOP cannot be
+// caught: such a rank writes nothing, and the reader names it as missing.
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -67,14 +96,20 @@ class FlightRecorder {
   FlightRecorder(const FlightRecorder&) = delete;
   FlightRecorder& operator=(const FlightRecorder&) = delete;
 
-  // A communicator's row in the record; returns its index.
-  int add_communicator(const std::string& name, const std::string& backend, const std::vector<int>& world_ranks);
+  // A communicator's row in the record; returns its index. `timeout` is its
+  // waits' (0: none), for Note [Overdue operations].
+  int add_communicator(const std::string& name, const std::string& backend, const std::vector<int>& world_ranks,
+                       std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Records an issued operation; returns its id (-1 when recording is off).
   // `op` and `dtype` must be static strings; "send", "recv" and
   // "batch_isend_irecv" are point-to-point, the rest collectives.
-  int64_t issued(int comm, const char* op, int64_t seq, const std::vector<int>& peers, int64_t bytes,
-                 const char* dtype);
+  int64_t issued(int comm, const char* op, int64_t seq, const std::vector<int>& peers, int64_t bytes, const char* dtype,
+                 bool posted = true);
+  // The issuing call of entry `id`, recorded with posted = false, got past
+  // the point where it hands the operation to the backend (Note [Overdue
+  // operations]).
+  void posted(int64_t id);
   // Moves entry `id` to `state` with its end time (a no-op when the ring has
   // passed it or it already ended).
   void ended(int64_t id, OpState state);
@@ -100,6 +135,11 @@ class FlightRecorder {
   // DIR/flight-rank-R.json.
   static std::string record_path(const std::string& dir, int world_rank);
 
+  // Where records go ("" for nowhere) and when this recorder started
+  // (system-clock microseconds: older records are an earlier run's).
+  const std::string& dir() const { return options_.dir; }
+  int64_t started_us() const;
+
  private:
   struct Entry {
     int64_t id = -1;
@@ -111,6 +151,7 @@ class FlightRecorder {
     int64_t bytes = 0;
     const char* dtype = "";
     OpState state = OpState::kIssued;
+    bool posted = true;    // false while its issuing call has not returned
     int64_t start_us = 0;  // system clock, so ranks' records line up
     int64_t end_us = 0;
   };
@@ -123,10 +164,16 @@ class FlightRecorder {
     // Collectives only: point-to-point operations involve some members, so
     // only this count lines up across the members' records.
     int64_t collectives = 0;
+    int64_t timeout_us = 0;
   };
+  // Note [Overdue operations]: whether `e` is, at `now_us`.
+  bool overdue_locked(const Entry& e, int64_t now_us) const;
 
   void watch();
   void write_record(const std::string& path, const std::string& reason) const;
+  // Note [Records on a fatal signal]: claims the process's handlers, or not.
+  void install_signal_handlers();
+  void remove_signal_handlers();
 
   FlightRecorderOptions options_;
   int world_rank_ = 0;
@@ -140,10 +187,13 @@ class FlightRecorder {
   int64_t next_id_ = 0;
   std::vector<CommRow> comms_;
   bool dumped_ = false;  // guarded by mutex_: a peer's record triggers one dump
+  bool overdue_reported_ = false;  // the watcher's own thread only
 
-  std::mutex watch_mutex_;
-  std::condition_variable watch_cv_;
-  bool stop_ = false;
+  // The watcher sleeps in poll() on this pipe: a signal's number wakes it,
+  // and 0 stops it.
+  int wake_read_ = -1;
+  int wake_write_ = -1;
+  bool handles_signals_ = false;
   std::thread watcher_;
 };
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 namespace tessera {
+class FaultInjector;
 namespace comm {
 
 class MpiTypes;  // bfloat16/float16 datatypes and reduction ops (src/comm)
@@ -67,6 +68,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   // Note [Flight recorder]: shared with this communicator's family.
   std::shared_ptr<FlightRecorder> flight_recorder() const;
+  // Note [Fault injection] in core/fault_injection.h: null without TESSERA_FAULT.
+  std::shared_ptr<FaultInjector> fault_injector() const;
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;

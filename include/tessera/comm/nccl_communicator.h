@@ -18,6 +18,7 @@
 #include <string>
 
 namespace tessera {
+class FaultInjector;
 namespace comm {
 
 namespace detail {
@@ -62,6 +63,8 @@ class NcclCommunicator final : public Communicator {
   int device() const { return device_; }
   // Note [Flight recorder]: shared with this communicator's family.
   std::shared_ptr<FlightRecorder> flight_recorder() const;
+  // Note [Fault injection] in core/fault_injection.h: null without TESSERA_FAULT.
+  std::shared_ptr<FaultInjector> fault_injector() const;
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;

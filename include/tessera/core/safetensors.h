@@ -4,6 +4,8 @@
 // "__metadata__": {string: string}}, then the tensors' bytes back to back,
 // little-endian, row-major. Written here so that checkpoints are readable by
 // PyTorch, Hugging Face and any JSON + struct reader.
+#include "tessera/core/atomic_file.h"  // WriteHook
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -22,9 +24,10 @@ namespace tessera {
 // are read unchecked; their header and sizes are still checked.
 
 // Writes `tensors` (any device; copied to the CPU, made contiguous) to
-// `path` atomically: into path + ".tmp", flushed, then renamed.
+// `path` atomically: into path + ".tmp", flushed, then renamed. `hook`
+// runs after the header and after each tensor.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {}, const WriteHook& hook = nullptr);
 
 // A safetensors file opened for reading; tensors are read on demand.
 class SafetensorsFile {

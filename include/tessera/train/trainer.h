@@ -27,6 +27,7 @@
 #include <vector>
 
 namespace tessera {
+class FaultInjector;
 namespace comm {
 class FlightRecorder;
 }
@@ -195,6 +196,7 @@ class Trainer {
   // Row-keyed dropout layers: told each micro-batch's first global row.
   std::vector<nn::ParallelDropoutImpl*> row_dropouts_;
   std::shared_ptr<comm::FlightRecorder> recorder_;  // the world's, for wait times; may be null
+  std::shared_ptr<FaultInjector> faults_;           // Note [Fault injection]; null without TESSERA_FAULT
   int64_t step_ = 0;
 };
 
