@@ -79,17 +79,20 @@ inline int launcher_rank() {
 
 // Note [Options before MPI]
 // The command's options are parsed before MPI starts: --help and --version
-// answer without mpirun (once, from rank 0, under it), and a bad option
-// costs no MPI start-up. Every rank parses the same argv and files, so a
-// refusal is the same on every rank: rank 0 prints it and every rank exits
-// with status 1.
+// answer without mpirun's start-up (once, from rank 0, under it). Every rank
+// parses the same argv and files, so a refusal is the same on every rank;
+// it still goes through MPI (Note [One rank's error]): rank 0 prints it
+// before MPI_Finalize, whose synchronisation keeps every rank alive until
+// then. Exiting at once instead lets the first rank's status 1 make mpirun
+// end the job, which can kill rank 0 before it printed (seen on a machine of
+// one core).
 inline int run_command(int argc, char** argv, tessera::cli::Command& command, const std::function<int()>& body) {
   tessera::cli::Parsed parsed;
   try {
     parsed = command.parse(argc, argv);
   } catch (const c10::Error& e) {
-    if (launcher_rank() == 0) fmt::print(stderr, "{}: error: {}\n", command.name(), e.what_without_backtrace());
-    return 1;
+    const std::string refusal = e.what_without_backtrace();
+    return run_example(argc, argv, command.name().c_str(), [&](int, char**) -> int { TORCH_CHECK(false, refusal); });
   }
   if (!parsed.run) {
     if (launcher_rank() == 0) fmt::print("{}", parsed.text);
