@@ -7,6 +7,7 @@
 #   make test-latest   the same suite against the newest LibTorch from PyPI
 #   make bench         the collective benchmark at 4 ranks, JSON lines
 #   make fuzz          every parser under libFuzzer (clang), FUZZ_RUNS each
+#   make test-sanitize a subset of the suite under ASan + UBSan, then TSan (clang)
 
 BUILD        ?= build
 BUILD_LATEST ?= build-latest
@@ -21,7 +22,7 @@ MPIRUN_ENV    = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
                 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1 \
                 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
-.PHONY: all deps configure build test demo bench test-latest fuzz clean
+.PHONY: all deps configure build test demo bench test-latest fuzz test-sanitize clean
 
 all: build
 
@@ -54,12 +55,18 @@ demo: build
 bench: build
 	$(MPIRUN_ENV) mpirun -np 4 $(BUILD)/bench/comm_bench --json
 
-# libFuzzer on every parser (docs/fuzzing.md): a clang build in build-fuzz,
-# FUZZ_RUNS executions per target.
+# libFuzzer on every parser (docs/fuzzing.md): the clang build of
+# test-sanitize (build-sanitize), FUZZ_RUNS executions per target.
 FUZZ_RUNS ?= 1000000
 fuzz: deps
 	scripts/install-deps.sh clang libclang-rt-14-dev
-	scripts/fuzz.sh build-fuzz $(FUZZ_RUNS)
+	scripts/fuzz.sh build-sanitize $(FUZZ_RUNS)
+
+# docs/sanitizers.md: build-sanitize (ASan + UBSan, the fuzz targets too) and
+# build-tsan (ThreadSanitizer), each running its label of the suite.
+test-sanitize: deps
+	scripts/install-deps.sh clang libclang-rt-14-dev
+	JOBS=$(JOBS) $(MPIRUN_ENV) scripts/test-sanitize.sh all
 
 # LibTorch from PyPI's torch wheel, in a virtual environment of its own; the
 # venv's Python (with transformers) runs the Python tests, hf_export_gpt2 included.
@@ -76,4 +83,4 @@ test-latest: deps
 	    status=$$?; scripts/test-skips.sh $(BUILD_LATEST); exit $$status; }
 
 clean:
-	rm -rf $(BUILD) $(BUILD_LATEST) $(BUILD_LATEST).env
+	rm -rf $(BUILD) $(BUILD_LATEST) $(BUILD_LATEST).env build-sanitize build-tsan

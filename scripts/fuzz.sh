@@ -1,24 +1,22 @@
 #!/usr/bin/env bash
-# Runs every fuzz target (fuzz/, docs/fuzzing.md) under libFuzzer: a clang
-# build with TESSERA_FUZZ=ON in BUILD_DIR (configured and built here when
-# missing), RUNS executions per target from the committed seed corpus, new
-# inputs kept in OUT_DIR/NAME (not in the committed corpus: minimise and copy
+# Runs every fuzz target (fuzz/, docs/fuzzing.md) under libFuzzer: the clang
+# build with TESSERA_FUZZ=ON and AddressSanitizer that `make test-sanitize`
+# uses too, in BUILD_DIR (configured here when missing); RUNS executions per
+# target from the committed seed corpus, new inputs kept in OUT_DIR/NAME (not in the committed corpus: minimise and copy
 # what is worth keeping). Prints one line per target: executions, seconds,
 # coverage (libFuzzer's cov and ft), corpus size, and findings (crash-*,
 # timeout-*, oom-* files in OUT_DIR).
 #
-#   scripts/fuzz.sh [BUILD_DIR] [RUNS] [OUT_DIR]     (default build-fuzz, 1000000, fuzz-out)
+#   [FUZZ_TARGETS=...] scripts/fuzz.sh [BUILD_DIR] [RUNS] [OUT_DIR]     (default build-sanitize, 1000000, fuzz-out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build-fuzz}
+build=${1:-build-sanitize}
 runs=${2:-1000000}
 out=${3:-fuzz-out}
-targets=(fuzz_safetensors fuzz_checkpoint_index fuzz_config_text fuzz_cli)
-if [[ ! -x "$build/fuzz/${targets[0]}" ]]; then
-  CC=clang CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTESSERA_FUZZ=ON \
-    -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_EXAMPLES=OFF -DTESSERA_BUILD_BENCH=OFF
-  cmake --build "$build" -j "${JOBS:-2}"
-fi
+# FUZZ_TARGETS: a subset, e.g. to run targets side by side on several cores.
+read -r -a targets <<< "${FUZZ_TARGETS:-fuzz_safetensors fuzz_checkpoint_index fuzz_config_text fuzz_cli}"
+ASAN_BUILD=$build scripts/test-sanitize.sh configure
+cmake --build "$build" -j "${JOBS:-2}" --target "${targets[@]}"
 mkdir -p "$out"
 status=0
 for t in "${targets[@]}"; do

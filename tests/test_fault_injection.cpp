@@ -76,7 +76,7 @@ TEST(FaultInjection, RefusesABadItemNamingItAndTheRule) {
       {"1:2", "has 2 fields where 3 or 4 are needed"},
   };
   for (const auto& [spec, expected] : cases) {
-    const std::string message = error_of([&] { parse_faults(spec); });
+    const std::string message = error_of([&spec = spec] { parse_faults(spec); });
     EXPECT_NE(message.find(expected), std::string::npos) << spec << ": " << message;
     EXPECT_NE(message.find("RANK:STEP:KIND"), std::string::npos) << spec << ": " << message;
   }

@@ -124,6 +124,10 @@ TEST(TokenData, FormatsAndWindows) {
   EXPECT_ERROR_CONTAINS(train::TokenData::load(temp_file("odd.bin", "abc")), "not a whole number of 2-byte tokens");
   EXPECT_ERROR_CONTAINS(train::TokenData::load(temp_file("short.txt", "abc")), "has only 3 bytes");
   EXPECT_ERROR_CONTAINS(t.check_window(1000), "too small for sequences of 1000");
+  // Metadata of the right syntax and the wrong type (found by fuzzing its sibling, the checkpoint index).
+  const std::string typed = temp_file("typed.bin", std::string(reinterpret_cast<const char*>(ids16.data()), 8));
+  temp_file("typed.bin.json", R"({"vocab_size": 70000, "dtype": 5})");
+  EXPECT_ERROR_CONTAINS(train::TokenData::load(typed), "\"dtype\" must be a string", "got 5");
 
   // Windows: a seed gives the same windows, targets are the inputs shifted.
   const auto a = t.windows(train::Split::kTrain, 3, 8, 11), b = t.windows(train::Split::kTrain, 3, 8, 11);

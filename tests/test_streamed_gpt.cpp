@@ -77,10 +77,10 @@ Stored store(const std::string& name, const std::map<std::string, at::Tensor>& w
   for (const auto& [n, t] : weights) {
     const auto shape = t.sizes().vec();
     std::vector<train::TensorPiece> mine;
-    auto flat_pieces = [&](std::vector<int64_t> off, std::vector<int64_t> len, const at::Tensor& region) {
+    auto flat_pieces = [&, &name = n](std::vector<int64_t> off, std::vector<int64_t> len, const at::Tensor& region) {
       const int64_t k = region.numel() / 3;
       for (auto [b, e] : {std::pair<int64_t, int64_t>{0, k}, {k, region.numel()}})
-        mine.push_back({"model/" + n, shape, off, len, b, e, region.reshape({-1}).narrow(0, b, e - b).clone()});
+        mine.push_back({"model/" + name, shape, off, len, b, e, region.reshape({-1}).narrow(0, b, e - b).clone()});
     };
     if (t.dim() >= 2 && shape[0] >= 2) {
       const int64_t half = shape[0] / 2;

@@ -83,12 +83,13 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "checkpoint ", dir_, ": index.json is not valid JSON: ", e.what());
   }
-  TORCH_CHECK(index.is_object() && index.value("format", "") == "tessera-checkpoint", "checkpoint ", dir_,
-              ": index.json is not a tessera checkpoint index");
+  // Compared as JSON: a "format" that is not a string is just not ours.
+  TORCH_CHECK(index.is_object() && index.contains("format") && index.at("format") == "tessera-checkpoint",
+              "checkpoint ", dir_, ": index.json is not a tessera checkpoint index");
   // The right syntax with the wrong types (a size that is a string, a piece
   // without its key) is a damaged index, said so, like one that is not JSON.
   try {
-    const int version = index.value("version", 0);
+    const int64_t version = index.contains("version") ? json_int(index.at("version")) : 0;
     TORCH_CHECK(version == 1 || version == 2, "checkpoint ", dir_, ": index.json has format version ", version,
                 "; this tessera reads versions 1 and 2 (a newer tessera wrote it: load it with that one)");
     metadata_ = index.value("metadata", Json::object()).dump();

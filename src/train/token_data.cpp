@@ -100,7 +100,10 @@ TokenData TokenData::load(const std::string& path, TokenFormat format) {
       TORCH_CHECK(false, "the token metadata ", meta_path, " is not JSON with \"vocab_size\" and \"dtype\": ",
                   e.what());
     }
-    const TokenFormat declared = parse_token_format(meta.value("dtype", std::string("uint16")));
+    const nlohmann::json dtype = meta.contains("dtype") ? meta.at("dtype") : nlohmann::json("uint16");
+    TORCH_CHECK(dtype.is_string(), "the token metadata ", meta_path, ": \"dtype\" must be a string (\"uint16\"), got ",
+                dtype.dump());
+    const TokenFormat declared = parse_token_format(dtype.get<std::string>());
     TORCH_CHECK(format == TokenFormat::kAuto || format == declared, "--data-format ", token_format_name(format),
                 ", but ", meta_path, " says the ids are ", token_format_name(declared));
     format = declared;
