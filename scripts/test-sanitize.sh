@@ -16,6 +16,9 @@ asan_build=${ASAN_BUILD:-build-sanitize}
 tsan_build=${TSAN_BUILD:-build-tsan}
 supp=$PWD/tests/sanitizers
 status=0
+case "$which" in all|address|thread|configure) ;;
+  *) echo "test-sanitize.sh: '$which' is not one of all, address, thread, configure" >&2; exit 2;;
+esac
 
 configure() {  # DIR SANITIZERS [CMAKE ARGS...]
   local dir=$1 sanitizers=$2
