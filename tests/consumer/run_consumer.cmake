@@ -9,6 +9,20 @@ function(run)
 endfunction()
 file(REMOVE_RECURSE ${prefix} ${WORK_DIR}/build)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+# The exported link interface names its dependencies by target, never by a
+# library path of this machine (a package carried to another machine, or a
+# LibTorch moved, would otherwise fail to link).
+file(GLOB_RECURSE targets_files ${prefix}/tesseraTargets.cmake)
+if(NOT targets_files)
+  message(FATAL_ERROR "cmake --install wrote no tesseraTargets.cmake under ${prefix}")
+endif()
+file(STRINGS ${targets_files} link_lines REGEX "INTERFACE_LINK_LIBRARIES")
+foreach(line IN LISTS link_lines)
+  if(line MATCHES "\"?(/[^;\"]+\\.so[^;\"]*)")
+    message(FATAL_ERROR "the installed package links a library by its path on this machine, ${CMAKE_MATCH_1}: "
+      "link its imported target instead (${line})")
+  endif()
+endforeach()
 # The commands the docs name are installed (when the examples and benchmarks are built).
 if(CHECK_COMMANDS)
   foreach(cmd bin/tessera_consolidate bin/tessera_generate bin/tessera_export_hf bin/tessera_tokenize bin/train_gpt bin/train_cnn bin/tessera_demo
