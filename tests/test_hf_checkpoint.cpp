@@ -160,6 +160,9 @@ TEST(HFExport, ACheckpointOfAnImportedModelExportsTheSameTensors) {
       EXPECT_EQ(written["dtype"], infer::hf_dtype_name(dtype));
       written["dtype"] = "float32";
       EXPECT_EQ(written, nlohmann::json::parse(config)) << "config.json is the imported one, its dtype aside";
+      // Every rank reads this export before rank 0 starts the next one in
+      // the same place (its staging directory would show up here).
+      test::world()->barrier();
     }
   }
 }
