@@ -10,7 +10,7 @@
 #   scripts/planner-check.sh [BUILD_DIR] [OUT_DIR]      (default build, planner-check)
 #
 # Prints a markdown table per part; OUT_DIR keeps the JSON lines.
-# PART=steps or PART=ranking runs one part. PART=ctest (the CTest
+# PART=steps or PART=ranking runs one part; DATA=FILE trains on FILE. PART=ctest (the CTest
 # planner_check, label planner) runs the data-parallel plans at 4 ranks,
 # where the model holds on this machine, for 20 steps, and fails when a
 # measured step is off its prediction by more than MAX_ERROR (default 0.3:
@@ -26,7 +26,12 @@ if [[ "$part" == ctest ]]; then steps=${STEPS:-20}; else steps=${STEPS:-40}; fi
 max_error=${MAX_ERROR:-}
 [[ "$part" == ctest ]] && max_error=${MAX_ERROR:-0.3}
 overlap=${OVERLAP:-0}
-common=(--steps "$steps" --sample 0 --eval-every 0 --log-every 1000 --overlap "$overlap")
+# DATA: the text trained on (train_gpt's default, Debian's fortunes, unless
+# set; CTest gives the README, so the test needs no package). Only its
+# tokens differ: the step time does not depend on them.
+data=()
+[[ -n "${DATA:-}" ]] && data=(--data "$DATA")
+common=(--steps "$steps" --sample 0 --eval-every 0 --log-every 1000 --overlap "$overlap" "${data[@]}")
 
 plans4=(
   "--spec ddp" "--spec zero1" "--spec zero2" "--spec zero3" "--spec mics:2" "--spec hpz:2"
