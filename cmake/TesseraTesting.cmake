@@ -1,4 +1,4 @@
-# tessera_add_mpi_test(NAME name TARGET target RANKS n [TIMEOUT s] [ARGS ...] [ENV VAR=value ...])
+# tessera_add_mpi_test(NAME name TARGET target RANKS n [TEST_DEVICE] [TIMEOUT s] [ARGS ...] [ENV VAR=value ...])
 #
 # Registers `name.npN` that runs `target` on N ranks with FindMPI's MPIEXEC
 # variables. The environment makes root runs and oversubscription work with
@@ -19,13 +19,18 @@ function(tessera_mpi_command out ranks)
 endfunction()
 
 function(tessera_add_mpi_test)
-  cmake_parse_arguments(T "" "NAME;TARGET;RANKS;TIMEOUT" "ARGS;ENV" ${ARGN})
+  cmake_parse_arguments(T "TEST_DEVICE" "NAME;TARGET;RANKS;TIMEOUT" "ARGS;ENV" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT ${TESSERA_TEST_TIMEOUT})
   endif()
   tessera_mpi_command(launcher ${T_RANKS})
+  # TEST_DEVICE: a trainer that takes --device runs on TESSERA_TEST_DEVICE.
+  set(wrapper)
+  if(T_TEST_DEVICE)
+    set(wrapper bash ${PROJECT_SOURCE_DIR}/tests/on_test_device.sh)
+  endif()
   add_test(NAME ${T_NAME}.np${T_RANKS}
-    COMMAND ${launcher} $<TARGET_FILE:${T_TARGET}> ${MPIEXEC_POSTFLAGS} ${T_ARGS})
+    COMMAND ${launcher} ${wrapper} $<TARGET_FILE:${T_TARGET}> ${MPIEXEC_POSTFLAGS} ${T_ARGS})
   set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
     TIMEOUT ${T_TIMEOUT}
     SKIP_RETURN_CODE 77

@@ -74,7 +74,9 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
   if (!options.resume().empty())
     log.print(fmt::format("resumed from {} at step {}", options.resume(), run.start_step()));
   const double flops_per_token = train::gpt_flops_per_token(run.config(), options.seq());
-  const double peak_flops = train::measured_matmul_flops();  // every rank at once: each one's share of the cores
+  // Every rank at once: each one's share of the cores (or of a shared GPU).
+  const c10::Device device = options.resolved_device();
+  const double peak_flops = train::measured_matmul_flops(device.is_cuda() ? 4096 : 512, 5, device);
   const auto& cfg = run.config();
   log.print(fmt::format("train_gpt: {} | data {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, "
                         "{:.2f} M parameters | {} | {} steps of {} x {} tokens",
@@ -179,6 +181,8 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
 int run_training(const train::RunOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   comm::WorldOptions world_options;
+  world_options.device = options.resolved_device();
+  world_options.backend = options.backend();
   if (world_options.flight_recorder.dir.empty() && !options.metrics().empty())
     world_options.flight_recorder.dir = options.metrics() + ".flight";
   auto trace = std::make_shared<comm::CommTrace>();

@@ -19,7 +19,7 @@
 #   scripts/gpu-check.sh build [DEBS]   there: only unpack and build
 #   scripts/gpu-check.sh test [DEBS]    there: only run
 #
-# GPU_CHECK_PARTS picks parts (default "nccl comm dp gpt suite"), CTEST_ARGS
+# GPU_CHECK_PARTS picks parts (default "nccl comm dp gpt trainer suite"), CTEST_ARGS
 # narrows the suite (e.g. "-R gpt"), GPU_CHECK_BUDGET (560 s) bounds the run.
 #
 # The packages are unpacked into /opt/tessera-deps, not into /: Open MPI is
@@ -86,7 +86,7 @@ case "$mode" in run|build|test) ;; *) echo "usage: $0 fetch|prebuild|run|build|t
 out=${OUT:-$PWD/gpu-out}
 logs=$out/logs
 mkdir -p "$logs"
-parts=" ${GPU_CHECK_PARTS:-nccl comm dp gpt suite} "
+parts=" ${GPU_CHECK_PARTS:-nccl comm dp gpt trainer suite} "
 pack() { tar -czf "$out/gpu-check.tar.gz" -C "$out" logs && rm -rf "$logs"; }
 # A command there may start with an affinity of one CPU (seen: 1 of 16 online,
 # nproc 1): widen it to every online CPU where that is allowed.
@@ -184,6 +184,17 @@ if [[ $parts == *" gpt "* ]]; then
     >> "$logs/gpt_step_cuda.jsonl" 2>> "$logs/gpt_step_cuda.err"
   echo "gpt_step cuda bf16 rc=$?"
   grep -h '^{' "$logs/gpt_step_cuda.jsonl" | head -4
+fi
+# train_gpt on the GPU: a GPT-2-small shape in bf16 on one rank over NCCL,
+# then dp2 x tp2 under ZeRO-2 on four ranks sharing the GPU (MPI backend).
+if [[ $parts == *" trainer "* ]]; then
+  timeout 150 "${mpirun[@]}" -np 1 $build/examples/train_gpt --device cuda --backend nccl --layers 12 --hidden 768 \
+    --heads 12 --seq 512 --batch 16 --precision bf16 --steps 20 --warmup 2 --eval-every 10 --sample 0 --log-every 5 \
+    --data README.md --metrics "$logs/train_gpt_cuda.jsonl" > "$logs/train_gpt_cuda.txt" 2>&1
+  echo "train_gpt cuda nccl np1 rc=$?"; grep -aE "^train_gpt|step +20/|validation" "$logs/train_gpt_cuda.txt" | tail -3
+  timeout 150 "${mpirun[@]}" -np 4 $build/examples/train_gpt --device cuda --backend mpi --dp 2 --tp 2 --spec zero2 \
+    --steps 6 --batch 8 --seq 64 --warmup 1 --eval-every 3 --sample 16 --data README.md > "$logs/train_gpt_cuda_np4.txt" 2>&1
+  echo "train_gpt cuda mpi np4 rc=$?"; grep -aE "^train_gpt|step +6/|final loss" "$logs/train_gpt_cuda_np4.txt" | tail -3
 fi
 echo "benchmarks: $((SECONDS - start)) s"
 

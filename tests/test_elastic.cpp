@@ -186,6 +186,7 @@ train::ModelBuilder builder(double dropout, bool row_keyed) {
   return [dropout, row_keyed](const context::ParallelContextPtr& ctx) {
     torch::manual_seed(7);  // the same initial weights in every layout
     auto gpt = std::make_shared<models::GPTImpl>(gpt_config(dropout), nn::make_layer_factory(ctx, false, row_keyed));
+    gpt->to(test::device());  // built on the CPU: the same weights on every device
     return train::gpt_train_model(gpt);
   };
 }
@@ -320,7 +321,7 @@ TEST(Elastic, EachMoveCarriesTheWholeStateBitForBit) {
   auto bf16 = [](const context::ParallelContextPtr& ctx) {
     torch::manual_seed(7);
     auto gpt = std::make_shared<models::GPTImpl>(gpt_config(0.0), nn::make_layer_factory(ctx));
-    gpt->to(at::kBFloat16);
+    gpt->to(test::device(), at::kBFloat16);
     return train::gpt_train_model(gpt);
   };
   const auto options =

@@ -73,10 +73,11 @@ void write_dir(const std::string& dir, const std::string& config_json, const Wei
   test::world()->barrier()->wait();
 }
 
-// A trainer (AdamW) of `gpt` whose weights come from `source`.
+// A trainer (AdamW) of `gpt`, moved to the test device, whose weights come from `source`.
 std::unique_ptr<train::Trainer> loaded_trainer(const context::ParallelContextPtr& ctx,
                                                const std::shared_ptr<models::GPTImpl>& gpt,
                                                const infer::HFCheckpoint& source) {
+  gpt->to(test::device());
   auto trainer = std::make_unique<train::Trainer>(
       ctx, train::gpt_train_model(gpt),
       [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
@@ -112,14 +113,15 @@ TEST_P(HFLlamaFamily, LoadsAtTwoRanksIntoTheReferenceWeightsAndLogits) {
   const Weights expected = test::to_tessera(hf, c);
   const Weights got = gpt->full_state();
   ASSERT_EQ(got.size(), expected.size());
-  for (const auto& [name, t] : got) EXPECT_TRUE(at::equal(t, expected.at(name))) << name << " is not the mapped tensor";
+  for (const auto& [name, t] : got)
+    EXPECT_TRUE(at::equal(t.cpu(), expected.at(name))) << name << " is not the mapped tensor";
 
   const at::Tensor ids = at::randint(c.vocab(), {2, 12}, at::make_generator<at::CPUGeneratorImpl>(5));
   test::ReferenceLlama reference(ref_config);
   reference->load_state(hf);
   at::NoGradGuard no_grad;
   gpt->eval();
-  const at::Tensor logits = test::full_logits(gpt->forward(ids), ctx, *factory, c.vocab());
+  const at::Tensor logits = test::full_logits(gpt->forward(ids.to(test::device())), ctx, *factory, c.vocab());
   EXPECT_LE(test::rel_error(logits, reference->forward(ids)), 1e-5);
 }
 

@@ -122,6 +122,7 @@ std::shared_ptr<models::GPTImpl> build(const models::GPTConfig& c, const context
                                        bool megatron_sp, const Weights& hf) {
   auto gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx, megatron_sp));
   gpt->load_full_state(test::to_tessera(hf, c));
+  gpt->to(test::device());
   return gpt;
 }
 
@@ -147,8 +148,8 @@ void expect_step_equal(const LayoutCase& lc, const Weights& hf) {
   at::Tensor logits;
   const at::Tensor local_targets = rows_of(targets, ctx);
   const at::Tensor loss = sharded->run([&] {
-    logits = gpt->forward(rows_of(ids, ctx));
-    return gpt->loss(logits, local_targets);
+    logits = gpt->forward(rows_of(ids, ctx).to(test::device()));
+    return gpt->loss(logits, local_targets.to(test::device()));
   });
   loss.backward();
   sharded->finish_gradient_sync();

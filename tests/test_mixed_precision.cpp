@@ -1,6 +1,8 @@
 // Mixed precision: half-precision parameters with fp32 master copies in
 // ShardedOptimizer (Note [Master copies]), the dynamic loss scaler, and bf16
-// training that tracks fp32.
+// training that tracks fp32. The bf16 step and GPT tests run on
+// TESSERA_TEST_DEVICE (test::device()); the memory tests count the CPU's
+// allocator and stay there.
 #include "test_util.h"
 
 #include "counting_allocator.h"
@@ -247,19 +249,20 @@ TEST(MixedPrecision, Bf16StepsEqualExplicitFp32Masters) {
   if ((dp & (dp - 1)) != 0) GTEST_SKIP() << "dividing by a data size of " << dp << " rounds in bf16";
   const int rank = ctx->rank(context::ParallelMode::kData);
   const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
-  auto batch = [](int step) { return test::seeded_randn({4, 24}, 100 + step).to(at::kBFloat16); };
+  // Both sides on the test device: bf16 rounds alike there.
+  auto batch = [](int step) { return test::device_randn({4, 24}, 100 + step).to(at::kBFloat16); };
   for (const char* spec : {"ddp", "zero1", "zero2", "zero3"}) {
     SCOPED_TRACE(spec);
     torch::manual_seed(0);
     MLP reference;
-    reference->to(at::kBFloat16);
+    reference->to(test::device(), at::kBFloat16);
     std::vector<at::Tensor> masters;
     for (const auto& p : reference->parameters()) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
     torch::optim::AdamW master_opt(masters, adamw);
 
     torch::manual_seed(0);
     MLP model;
-    model->to(at::kBFloat16);
+    model->to(test::device(), at::kBFloat16);
     auto sharded = std::make_shared<ShardedModule>(
         model.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::parse(spec)).bucket_bytes(1024));
     ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(model->parameters(), adamw));
@@ -333,7 +336,7 @@ TEST(MixedPrecision, Bf16GPTTracksFp32Over50Steps) {
   auto train_bf16 = [&] {
     torch::manual_seed(3);
     models::GPT gpt(config, nn::make_1d_factory(self, false, 1, 2));
-    gpt->to(at::kBFloat16);
+    gpt->to(test::device(), at::kBFloat16);  // the fp32 reference stays on the CPU
     auto sharded = std::make_shared<ShardedModule>(gpt.ptr(), ctx, ShardedModuleOptions().spec(ShardingSpec::zero2()));
     ShardedOptimizer opt(sharded, std::make_shared<torch::optim::AdamW>(gpt->parameters(), adamw));
     std::vector<double> losses;
@@ -341,8 +344,8 @@ TEST(MixedPrecision, Bf16GPTTracksFp32Over50Steps) {
     const int64_t rows = kRows / data->size();
     for (int step = 0; step < 50; ++step) {
       opt.zero_grad();
-      const at::Tensor ids = batch(step, 1).narrow(0, data->rank() * rows, rows);
-      const at::Tensor tgt = batch(step, 2).narrow(0, data->rank() * rows, rows);
+      const at::Tensor ids = batch(step, 1).narrow(0, data->rank() * rows, rows).to(test::device());
+      const at::Tensor tgt = batch(step, 2).narrow(0, data->rank() * rows, rows).to(test::device());
       at::Tensor loss = sharded->run([&] { return gpt->loss(gpt->forward(ids).to(at::kFloat), tgt); });
       loss.backward();
       opt.step();

@@ -97,6 +97,7 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
   auto c = config();
   c.checkpoint_activations(s.checkpoint);
   r.gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
+  r.gpt->to(test::device());  // built on the CPU: the same weights on every device
   auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);

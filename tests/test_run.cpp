@@ -62,6 +62,25 @@ TEST(RunOptions, FlagsReachTheirFields) {
   EXPECT_EQ(t.lr().total_steps(), 5);
 }
 
+// --device and --backend: the CPU by default; a device this process lacks,
+// a malformed one, or NCCL without GPU tensors refused by name.
+TEST(RunOptions, DeviceAndBackend) {
+  EXPECT_EQ(parsed({}).resolved_device(), c10::Device(c10::kCPU));
+  EXPECT_EQ(parsed({"--backend", "mpi"}).backend(), comm::Backend::kMpi);
+  EXPECT_ERROR_CONTAINS(parsed({"--device", "gpu"}).resolved_device(),
+                        "--device must be cpu, cuda or cuda:N, got 'gpu'");
+  EXPECT_ERROR_CONTAINS(parsed({"--backend", "nccl"}).resolved_device(), "--backend nccl needs GPU tensors");
+  const int gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+  EXPECT_ERROR_CONTAINS(parsed({"--device", "cuda:99"}).resolved_device(), "--device cuda:99, but this process sees");
+  if (gpus == 0) {
+    EXPECT_ERROR_CONTAINS(parsed({"--device", "cuda"}).resolved_device(), "sees no CUDA device");
+  } else {
+    EXPECT_ERROR_CONTAINS(parsed({"--device", "cuda:x"}).resolved_device(), "cuda:N with N a GPU index, got 'cuda:x'");
+    EXPECT_TRUE(parsed({"--device", "cuda"}).resolved_device().is_cuda());
+    EXPECT_EQ(parsed({"--device", "cuda:0"}).resolved_device(), c10::Device(c10::kCUDA, 0));
+  }
+}
+
 // Defaults that follow the run: a short run needs no warm-up flag.
 TEST(RunOptions, WarmupFollowsTheSteps) {
   EXPECT_EQ(parsed({"--steps", "5"}).warmup_steps(), 0);
@@ -85,6 +104,8 @@ TEST(RunOptions, RulesBetweenOptions) {
   EXPECT_ERROR_CONTAINS(parsed({"--plan", "auto", "--cluster", "a800-amsp", "--tp", "1"}).check(n),
                         "--tp with --plan auto: the planner chooses it");
   EXPECT_ERROR_CONTAINS(parsed({"--steps", "0"}).check(n), "--steps must be >= 1, got 0");
+  EXPECT_ERROR_CONTAINS(parsed({"--plan", "auto", "--cluster", "a800-amsp", "--device", "cuda"}).check(n),
+                        "--plan with --device cuda: the planner measures the step on this machine's CPU cores");
   RunOptions r;
   cli::Command c = train::run_command("test", "a test command", r);
   std::vector<const char*> bad = {"test", "--offload", "optimizer"};

@@ -146,12 +146,15 @@ parallel::PipelineOptions pipeline_options(const Layout& s) {
       .schedule(s.chunks > 1 ? parallel::ScheduleKind::kInterleaved1F1B : parallel::ScheduleKind::k1F1B);
 }
 
+// The model is built on the CPU and moved to `device` (the test device
+// unless a test needs the CPU's allocator), the same weights on every device.
 Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t seed, double dropout, bool adamw,
-               at::ScalarType dtype = at::kFloat, int64_t bucket_bytes = 4096) {
+               at::ScalarType dtype = at::kFloat, int64_t bucket_bytes = 4096,
+               const c10::Device& device = test::device()) {
   torch::manual_seed(seed);
   Model r;
   r.gpt = std::make_shared<models::GPTImpl>(config(dropout), nn::make_layer_factory(ctx));
-  r.gpt->to(dtype);
+  r.gpt->to(device, dtype);
   auto make = [adamw](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);
@@ -315,7 +318,8 @@ TEST(Trainer, Zero3UnderAPipelineGathersOneStageAtATime) {
   auto& counter = test::CountingAllocator::instance();
   test::CountingScope counting;
   counter.watch(32 << 10);
-  Model r = make_run(ctx, s, 7, 0.0, false, at::kFloat, 1 << 20);
+  // On the CPU whatever the test device: the counting allocator is the CPU's.
+  Model r = make_run(ctx, s, 7, 0.0, false, at::kFloat, 1 << 20, c10::Device(c10::kCPU));
   const auto* pipe = r.trainer->pipeline();
   ASSERT_NE(pipe, nullptr);
   auto& module = r.trainer->module();
@@ -656,7 +660,7 @@ void check_reshard(const Layout& source, const std::vector<Layout>& targets, con
       bool first = true;
       for (const auto& [name, value] : full) {
         ASSERT_TRUE(f.contains(name)) << name;
-        EXPECT_TRUE(f.read(name).equal(value)) << name;
+        EXPECT_TRUE(f.read(name).equal(value.cpu())) << name;
         EXPECT_TRUE(f.read(name).equal(saved.at("model/" + name))) << name << " against the saver's own";
         sums << (first ? "" : ", ") << "\"" << name << "\": " << std::setprecision(17) << value.sum().item<double>();
         first = false;

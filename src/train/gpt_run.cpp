@@ -98,8 +98,10 @@ GPTRun::GPTRun(comm::CommunicatorPtr world, RunOptions run, int64_t vocab)
   // Elastic dropout is keyed by the row of the global batch, so that the
   // masks do not depend on the data size (Note [Row-keyed dropout]).
   const bool row_keyed = run_.elastic() && config_.dropout() > 0;
-  auto build = [this, row_keyed](const context::ParallelContextPtr& c) {
+  const c10::Device device = run_.resolved_device();
+  auto build = [this, row_keyed, device](const context::ParallelContextPtr& c) {
     gpt_ = build_gpt(config_, c, run_, row_keyed);
+    gpt_->to(device);  // built on the CPU from the seed: the same weights on every device
     return gpt_train_model(gpt_, run_.precision());
   };
   context::ParallelConfig layout = run_.grid();
@@ -175,8 +177,9 @@ std::string GPTRun::describe() const {
                              world_->size(), elastic_->layout_name(), run_.min_rows_per_replica())
                : context::to_string(ctx_->config());
   const int pp = run_.grid().pipeline();
-  return fmt::format("{} | spec {}{}{} | {}", layout, run_.spec().to_string(),
-                     config_.checkpoint_activations() ? ", activation checkpointing" : "",
+  return fmt::format("{} | {}spec {}{}{} | {}", layout,
+                     run_.device() == "cpu" ? std::string() : "device " + run_.resolved_device().str() + ", ",
+                     run_.spec().to_string(), config_.checkpoint_activations() ? ", activation checkpointing" : "",
                      run_.offload() != parallel::Offload::kNone ? ", offload " + parallel::offload_name(run_.offload())
                                                                 : std::string(),
                      pp > 1 ? fmt::format("schedule {} x {} micro-batches", parallel::to_string(run_.schedule()),

@@ -43,6 +43,9 @@ std::string optimizer_kind(torch::optim::Optimizer& o) {
   return name.empty() ? "other" : name;
 }
 
+// Undefined tensors (a pipeline rank's unused inputs) stay undefined.
+at::Tensor on_device(const at::Tensor& t, const c10::Device& device) { return t.defined() ? t.to(device) : t; }
+
 at::Tensor rows(const at::Tensor& t, int64_t begin, int64_t count) {
   return t.defined() && t.dim() > 0 ? t.narrow(0, begin, count) : t;
 }
@@ -70,6 +73,12 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
   TORCH_CHECK(options_.clip_grad_norm() >= 0, "Trainer: clip_grad_norm must be >= 0 (0: off), got ",
               options_.clip_grad_norm());
   options_.lr().validate();
+  // Before any sharding: offloaded parameter shards live in host memory.
+  const auto params = model_.layers->parameters();
+  if (!params.empty()) device_ = params.front().device();
+  for (const auto& p : params)
+    TORCH_CHECK(p.device() == device_, "Trainer: the model's parameters are on ", device_, " and on ", p.device(),
+                "; move the whole model to one device (module->to(device)) before making the trainer");
   recorder_ = comm::flight_recorder_of(ctx_->world());
   faults_ = comm::fault_injector_of(ctx_->world());
   // Dimensions the trainer would otherwise ignore (duplicating work) are refused.
@@ -169,7 +178,8 @@ double Trainer::forward_backward(const at::Tensor& inputs, const at::Tensor& tar
   return total;
 }
 
-StepStats Trainer::train_step(const at::Tensor& inputs, const at::Tensor& targets) {
+StepStats Trainer::train_step(const at::Tensor& inputs_anywhere, const at::Tensor& targets_anywhere) {
+  const at::Tensor inputs = on_device(inputs_anywhere, device_), targets = on_device(targets_anywhere, device_);
   const auto start = std::chrono::steady_clock::now();
   const double waited_before = recorder_ ? recorder_->waited_seconds() : 0;
   if (faults_) faults_->begin_step(step_ + 1);
@@ -239,7 +249,8 @@ void Trainer::gather_rank_times(StepStats& stats) const {
   stats.straggler_lag = compute[static_cast<size_t>(stats.slowest_rank)] - sorted[static_cast<size_t>(middle)];
 }
 
-double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+double Trainer::evaluate(const at::Tensor& inputs_anywhere, const at::Tensor& targets_anywhere) {
+  const at::Tensor inputs = on_device(inputs_anywhere, device_), targets = on_device(targets_anywhere, device_);
   // Eval mode: no dropout drawn (its random streams stay where training left
   // them) and BatchNorm reads its running statistics without updating them.
   const bool training = local_->is_training();

@@ -78,7 +78,9 @@ inline at::TensorOptions device_options(at::ScalarType dtype = at::kFloat) {
 
 // ||actual - expected|| / ||expected||: the error measure of the
 // serial-equivalence tests.
-inline double rel_error(const at::Tensor& actual, const at::Tensor& expected) {
+// On the CPU: one side may be on the test device, the other a serial reference.
+inline double rel_error(const at::Tensor& actual_anywhere, const at::Tensor& expected_anywhere) {
+  const at::Tensor actual = actual_anywhere.detach().cpu(), expected = expected_anywhere.detach().cpu();
   const double denom = std::max(expected.norm().item<double>(), 1e-12);
   return (actual - expected).norm().item<double>() / denom;
 }

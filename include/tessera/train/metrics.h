@@ -2,6 +2,8 @@
 // What a training run reports while it runs: a progress line per step on
 // stdout and one JSON object per step in a JSONL file (rank 0 only), which
 // scripts/plot_metrics.py turns into a PNG of loss and throughput.
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <fstream>
 #include <memory>
@@ -43,9 +45,9 @@ class MetricsLog {
 double gpt_flops_per_token(const models::GPTConfig& config, int64_t seq);
 
 // The FLOP/s this rank reaches on a float32 matrix product of side `n`
-// (best of `repeats`): the peak an MFU figure on CPUs is taken against.
+// (best of `repeats`) on `device`: the peak an MFU figure is taken against.
 // Call it on all ranks at once, so that ranks sharing cores measure their share.
-double measured_matmul_flops(int64_t n = 512, int repeats = 5);
+double measured_matmul_flops(int64_t n = 512, int repeats = 5, const c10::Device& device = c10::Device(c10::kCPU));
 
 }  // namespace train
 }  // namespace tessera

@@ -9,6 +9,7 @@
 //   cli::Command cmd = train::run_command("my_trainer", "What it trains.", run);
 //   if (!cmd.parse(argc, argv).run) ...;     // --help, --version: print its text
 //   run.check(world_size);                   // the rules between options, on every rank alike
+#include "tessera/comm/factory.h"
 #include "tessera/context/parallel_config.h"
 #include "tessera/core/cli.h"
 #include "tessera/models/gpt.h"
@@ -19,6 +20,7 @@
 #include "tessera/train/token_data.h"
 #include "tessera/train/trainer.h"
 
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -47,6 +49,13 @@ struct RunOptions {
   TORCH_ARG(parallel::Offload, offload) = parallel::Offload::kNone;
   TORCH_ARG(std::string, offload_dir) = "";
   TORCH_ARG(bool, offload_params) = false;
+  // Where the model, its gradients and optimizer states live: cpu, cuda
+  // (this process's GPU: its local rank modulo the GPUs it sees) or cuda:N.
+  TORCH_ARG(std::string, device) = "cpu";
+  // The collectives: auto (NCCL for a CUDA device when tessera has it, MPI
+  // otherwise), mpi (CUDA tensors staged through host memory: ranks may
+  // share a GPU) or nccl (one GPU per rank).
+  TORCH_ARG(comm::Backend, backend) = comm::Backend::kAuto;
   // The model: architecture, sizes, dropout, experts, activation
   // checkpointing; its vocabulary comes from the data and its context from seq.
   TORCH_ARG(models::GPTConfig, model);
@@ -116,6 +125,9 @@ struct RunOptions {
   int64_t warmup_steps() const;
   // Pipeline micro-batches: the flag, or twice the pipeline size.
   int64_t pipeline_microbatches() const;
+  // --device on this process (cuda: its local rank's GPU). Refuses a
+  // device this process does not have, or a backend that cannot serve it.
+  c10::Device resolved_device() const;
   // The rules between options, on every rank alike (a c10::Error naming the
   // options and what to do). world_size: the ranks of the job.
   void check(int world_size) const;

@@ -131,8 +131,8 @@ class Trainer {
   ~Trainer();
 
   // One optimizer step on this data rank's rows of the global batch
-  // (inputs matter on the first pipeline stage, targets on the last).
-  // Collective over the world.
+  // (inputs matter on the first pipeline stage, targets on the last), on
+  // any device: they are copied to device() first. Collective over the world.
   StepStats train_step(const at::Tensor& inputs, const at::Tensor& targets);
   // Mean loss over the global batch, without changing any state. Collective.
   double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
@@ -165,6 +165,9 @@ class Trainer {
   const Placements& placements() const { return placements_; }
 
   int64_t step() const { return step_; }
+  // The device of the model's parameters when the trainer was made (the CPU
+  // for a model without any): where the steps compute and batches go.
+  const c10::Device& device() const { return device_; }
   parallel::ShardedModule& module() { return *sharded_; }
   parallel::ShardedOptimizer& optimizer() { return *optimizer_; }
   const std::optional<optim::LossScaler>& scaler() const { return scaler_; }
@@ -197,6 +200,7 @@ class Trainer {
   std::vector<nn::ParallelDropoutImpl*> row_dropouts_;
   std::shared_ptr<comm::FlightRecorder> recorder_;  // the world's, for wait times; may be null
   std::shared_ptr<FaultInjector> faults_;           // Note [Fault injection]; null without TESSERA_FAULT
+  c10::Device device_ = c10::Device(c10::kCPU);
   int64_t step_ = 0;
 };
 
