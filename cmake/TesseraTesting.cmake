@@ -108,8 +108,11 @@ function(tessera_finish_tests)
     # within N slots: an MPI test takes one slot per rank (CTest lets a test
     # that wants more than N run alone), so one-rank tests pair up and an
     # 8-rank test has the machine. Refusals end before any work: one slot.
-    # Tests that start ranks of their own, or measure time or memory, run alone.
-    if(labels MATCHES "(^|;)invalid-input(;|$)")
+    # Tests that start ranks of their own, or measure time or memory, run alone;
+    # those labelled `waits` spend most of their time waiting for a timeout or
+    # an abort they provoked, so they take one slot beside another test
+    # (their checks allow tens of seconds: a busy core does not move them).
+    if(labels MATCHES "(^|;)(invalid-input|waits)(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS 1)
     elseif(labels MATCHES "(^|;)np([0-9]+)(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS ${CMAKE_MATCH_2})
