@@ -54,9 +54,8 @@ void grid_options(cli::Command& c, RunOptions& r) {
   c.add("offload-params", &r.offload_params(), "parameter shards in host memory between uses (ZeRO-3 offload)");
   c.add("device", &r.device(), "where the model and its states live: cpu, cuda (the local rank's GPU) or cuda:N");
   c.add("backend", &r.backend(),
-        "collectives: auto (NCCL for a GPU when built with it), mpi (ranks may share a GPU), "
-        "nccl",
-        "auto|mpi|nccl", comm::backend_from_name, comm::backend_name);
+        "collectives: auto (NCCL for a GPU when built with it), mpi (ranks may share a GPU), nccl", "auto|mpi|nccl",
+        comm::backend_from_name, comm::backend_name);
 }
 
 using ConfigField = std::function<void(models::GPTConfig& to, const models::GPTConfig& from)>;
@@ -258,8 +257,7 @@ c10::Device RunOptions::resolved_device() const {
   TORCH_CHECK(d == "cpu" || cuda, "--device must be cpu, cuda or cuda:N, got '", d, "'");
   if (!cuda) {
     TORCH_CHECK(backend() != comm::Backend::kNccl,
-                "--backend nccl needs GPU tensors: add --device cuda, or use "
-                "--backend mpi (or auto) on the CPU");
+                "--backend nccl needs GPU tensors: add --device cuda, or use --backend mpi (or auto) on the CPU");
     return c10::Device(c10::kCPU);
   }
   const int gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
@@ -267,8 +265,8 @@ c10::Device RunOptions::resolved_device() const {
               ", but this process sees no CUDA device (a LibTorch without CUDA, no GPU, or "
               "CUDA_VISIBLE_DEVICES empty); run where a GPU is, or --device cpu");
   TORCH_CHECK(backend() != comm::Backend::kNccl || comm::nccl_available(),
-              "--backend nccl, but this tessera was "
-              "built without NCCL (TESSERA_WITH_NCCL=OFF); use --backend mpi, or rebuild with NCCL");
+              "--backend nccl, but this tessera was built without NCCL (TESSERA_WITH_NCCL=OFF); use --backend mpi, "
+              "or rebuild with NCCL");
   if (d == "cuda") return context::pick_device(context::detect_launch(), gpus);
   int index = -1;
   size_t used = 0;
@@ -278,9 +276,7 @@ c10::Device RunOptions::resolved_device() const {
     used = 0;
   }
   TORCH_CHECK(used == d.size() - 5 && used > 0 && index >= 0,
-              "--device must be cpu, cuda or cuda:N with N a GPU "
-              "index, got '",
-              d, "'");
+              "--device must be cpu, cuda or cuda:N with N a GPU index, got '", d, "'");
   TORCH_CHECK(index < gpus, "--device ", d, ", but this process sees ", gpus, " CUDA device(s), 0 to ", gpus - 1,
               "; pick one of them, or --device cuda for the local rank's");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
@@ -344,8 +340,8 @@ void RunOptions::check(int world_size) const {
   TORCH_CHECK(!was_given("plan-top") || plan() == PlanMode::kAuto, "--plan-top is only read with --plan auto");
   if (plan() == PlanMode::kNone) return;
   TORCH_CHECK(device() == "cpu", "--plan with --device ", device(),
-              ": the planner measures the step on this "
-              "machine's CPU cores (docs/planner.md) and would predict a CPU run; drop --plan, or plan on the CPU");
+              ": the planner measures the step on this machine's CPU cores (docs/planner.md) and would predict a "
+              "CPU run; drop --plan, or plan on the CPU");
   TORCH_CHECK(!elastic(), "--plan with --batch-schedule: the planner plans one fixed layout; drop one of them");
   TORCH_CHECK(!sequence_parallel(), "--plan with --sequence-parallel: the planner does not model Megatron's "
               "sequence-parallel variant yet; drop one of them");

@@ -54,7 +54,8 @@ struct RunOptions {
   TORCH_ARG(std::string, device) = "cpu";
   // The collectives: auto (NCCL for a CUDA device when tessera has it, MPI
   // otherwise), mpi (CUDA tensors staged through host memory: ranks may
-  // share a GPU) or nccl (one GPU per rank).
+  // share a GPU) or nccl (one GPU per rank). Read by whoever makes the world
+  // communicator (train_gpt does); GPTRun takes the world it is given.
   TORCH_ARG(comm::Backend, backend) = comm::Backend::kAuto;
   // The model: architecture, sizes, dropout, experts, activation
   // checkpointing; its vocabulary comes from the data and its context from seq.
