@@ -76,7 +76,8 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
   const double flops_per_token = train::gpt_flops_per_token(run.config(), options.seq());
   // Every rank at once: each one's share of the cores (or of a shared GPU).
   const c10::Device device = options.resolved_device();
-  const double peak_flops = train::measured_matmul_flops(device.is_cuda() ? 4096 : 512, 5, device);
+  const double peak_flops = train::measured_matmul_flops(device.is_cuda() ? 4096 : 512, 5, device,
+                                                         options.bf16() ? at::kBFloat16 : at::kFloat);
   const auto& cfg = run.config();
   log.print(fmt::format("train_gpt: {} | data {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, "
                         "{:.2f} M parameters | {} | {} steps of {} x {} tokens",

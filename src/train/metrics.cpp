@@ -49,18 +49,20 @@ double gpt_flops_per_token(const models::GPTConfig& c, int64_t seq) {
          static_cast<double>(seq);
 }
 
-double measured_matmul_flops(int64_t n, int repeats, const c10::Device& device) {
+double measured_matmul_flops(int64_t n, int repeats, const c10::Device& device, c10::ScalarType dtype) {
   // No draw from the process's generator: a run resumed from a checkpoint
   // measures this after restoring it, and must continue its random streams
   // bit for bit (Note [Random states in checkpoints]).
-  at::Tensor a = at::arange(n * n, at::kFloat).remainder(7).sub_(3).view({n, n}).to(device), b = a.t().contiguous();
+  // Small integers: exact in bf16 too.
+  at::Tensor a = at::arange(n * n, at::kFloat).remainder(7).sub_(3).view({n, n}).to(device, dtype),
+             b = a.t().contiguous();
   // Reading one element back waits for the product on an asynchronous device.
-  at::mm(a, b)[0][0].item<float>();  // warm-up
+  at::mm(a, b)[0][0].item<double>();  // warm-up
   double best = 1e30;
   for (int i = 0; i < repeats; ++i) {
     const auto start = std::chrono::steady_clock::now();
     at::Tensor c = at::mm(a, b);
-    c[0][0].item<float>();
+    c[0][0].item<double>();
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best;

@@ -305,7 +305,11 @@ std::vector<std::string> load_random_state_pieces(const infer::PieceSource& read
       missing.push_back(name);
       continue;
     }
-    const at::Tensor state = reader.full(name);
+    // Generators take their state as a host byte tensor whatever their
+    // device; an elastic move delivers pieces on the model's device.
+    const at::Tensor state = reader.full(name).to(at::kCPU);
+    TORCH_CHECK(state.scalar_type() == at::kByte, reader.describe(), ": random stream '", name, "' holds ",
+                state.scalar_type(), " values, but a generator's state is bytes (uint8)");
     if (dropout) {
       streams[layer].emplace(device_name, generator_in(device, state));
     } else {

@@ -3,6 +3,7 @@
 // stdout and one JSON object per step in a JSONL file (rank 0 only), which
 // scripts/plot_metrics.py turns into a PNG of loss and throughput.
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <fstream>
@@ -44,10 +45,13 @@ class MetricsLog {
 // checkpointing) is not counted: MFU counts model FLOPs only.
 double gpt_flops_per_token(const models::GPTConfig& config, int64_t seq);
 
-// The FLOP/s this rank reaches on a float32 matrix product of side `n`
+// The FLOP/s this rank reaches on a matrix product of side `n` in `dtype`
 // (best of `repeats`) on `device`: the peak an MFU figure is taken against.
+// Pass the dtype the model computes in: a GPU's bf16 peak is many times its
+// float32 one, and MFU against the wrong one passes 100 %.
 // Call it on all ranks at once, so that ranks sharing cores measure their share.
-double measured_matmul_flops(int64_t n = 512, int repeats = 5, const c10::Device& device = c10::Device(c10::kCPU));
+double measured_matmul_flops(int64_t n = 512, int repeats = 5, const c10::Device& device = c10::Device(c10::kCPU),
+                             c10::ScalarType dtype = c10::kFloat);
 
 }  // namespace train
 }  // namespace tessera
