@@ -177,6 +177,35 @@ TEST(FlightRecorder, TheReaderNamesARankStuckInsideAnOperation) {
   EXPECT_THROW(comm::analyze_flight_records(dir, r[3]->started_us() + 3600LL * 1000 * 1000), c10::Error);
 }
 
+// A rank stopped before collective 2, continued at the end (Note [Arriving
+// after the others gave up]): it enters 2 after the others gave up on it,
+// completes it with the ranks still inside it and waits in 3, which they
+// never issue. It is behind; they are not.
+TEST(FlightRecorder, TheReaderNamesARankThatWentOnAfterTheOthersGaveUp) {
+  const std::string dir = fresh_dir("flight_went_on");
+  std::vector<std::unique_ptr<comm::FlightRecorder>> r;
+  for (int k = 0; k < 4; ++k) {
+    r.push_back(std::make_unique<comm::FlightRecorder>(recorder_options(8), k, 4));
+    r.back()->add_communicator("world", "mpi", {0, 1, 2, 3});
+    r.back()->ended(r.back()->issued(0, "all_reduce", 1, {}, 8, "Long"), comm::OpState::kCompleted);
+  }
+  std::vector<int64_t> ids(4);
+  for (int k : {0, 1, 3}) ids[k] = r[k]->issued(0, "all_reduce", 2, {}, 8, "Long");
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (int k : {0, 1, 3}) r[k]->ended(ids[k], comm::OpState::kTimedOut);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  r[2]->ended(r[2]->issued(0, "all_reduce", 2, {}, 8, "Long"), comm::OpState::kCompleted);
+  r[2]->issued(0, "all_gather", 3, {}, 32, "Long");
+  for (int k = 0; k < 4; ++k) r[k]->dump_to(comm::FlightRecorder::record_path(dir, k), "test");
+  const comm::FlightVerdict v = comm::analyze_flight_records(dir);
+  const std::string text = v.text();
+  EXPECT_EQ(v.behind, std::vector<int>{2}) << text;
+  EXPECT_NE(text.find("world rank(s) 2 entered it only after a rank had given up on it or an earlier operation"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("world rank(s) 0, 1, 3 had not issued it"), std::string::npos) << text;
+}
+
 #if defined(__SANITIZE_THREAD__)
 #define TESSERA_TEST_TSAN 1
 #elif defined(__has_feature)

@@ -176,6 +176,16 @@ FlightVerdict analyze_flight_records(const std::string& dir, int64_t since_us) {
                  ? fmt::format("its last there was {}, {}", describe_entry(*last), last->at("state").get<std::string>())
                  : std::string("it had issued nothing there");
     };
+    // When the group's first member gave up on any of its operations.
+    int64_t group_gave_up = -1;
+    std::set<int> gave_up_here;
+    for (const auto& [rank, m] : members)
+      for (const json* e : m.entries)
+        if (e->at("state").get<std::string>() == "timed out") {
+          const int64_t end = e->at("end_us").get<int64_t>();
+          group_gave_up = group_gave_up < 0 ? end : std::min(group_gave_up, end);
+          gave_up_here.insert(rank);
+        }
     // Waiters grouped by what they wait in: the collective number, or -1 - their world rank for point-to-point.
     std::map<int64_t, std::vector<int>> waiting;
     for (const auto& [rank, e] : pending) {
@@ -240,19 +250,21 @@ FlightVerdict analyze_flight_records(const std::string& dir, int64_t since_us) {
         const json& e = *pending.at(r);
         if (e.value("overdue", false) && std::find(stuck.begin(), stuck.end(), r) == stuck.end()) stuck.push_back(r);
       }
-      // A waiter that entered only after another had given up was late by
-      // more than the timeout (a rank stopped, then continued at the end).
-      int64_t first_gave_up = -1;
-      for (int r : waiters) {
-        const json& e = *pending.at(r);
-        if (e.at("state").get<std::string>() == "timed out")
-          first_gave_up = first_gave_up < 0 ? e.at("end_us").get<int64_t>()
-                                            : std::min(first_gave_up, e.at("end_us").get<int64_t>());
-      }
+      // Note [Arriving after the others gave up]
+      // A waiter that entered only after a member had given up, on this
+      // operation or an earlier one of the group, was late by more than the
+      // timeout: a rank stopped, then continued at the end, enters the
+      // operation the others gave up on and, when that completes among the
+      // ranks still inside it, the next ones, before its record is written.
+      // The members that gave up earlier never issue those: they are not
+      // behind for it.
       std::vector<int> arrived_late;
       for (int r : waiters)
-        if (first_gave_up >= 0 && pending.at(r)->at("start_us").get<int64_t>() > first_gave_up)
+        if (group_gave_up >= 0 && pending.at(r)->at("start_us").get<int64_t>() > group_gave_up)
           arrived_late.push_back(r);
+      if (!arrived_late.empty() && arrived_late.size() == waiters.size())
+        late.erase(std::remove_if(late.begin(), late.end(), [&](int r) { return gave_up_here.count(r) > 0; }),
+                   late.end());
       std::string sentence =
           fmt::format("on {} world rank(s) {} waited in {}{}", group, rank_list(waiters), describe_entry(first),
                       waited > 0 ? fmt::format(" and gave up after {:.1f} s", waited) : "");
@@ -271,7 +283,8 @@ FlightVerdict analyze_flight_records(const std::string& dir, int64_t since_us) {
       }
       if (!arrived_late.empty()) {
         sentence += sep + fmt::format(
-                              "world rank(s) {} entered it only after a rank had given up on it, so they are behind "
+                              "world rank(s) {} entered it only after a rank had given up on it or an earlier "
+                              "operation here, so they are behind "
                               "by more than the timeout",
                               rank_list(arrived_late));
         behind.insert(arrived_late.begin(), arrived_late.end());
