@@ -13,7 +13,10 @@ BUILD        ?= build
 BUILD_LATEST ?= build-latest
 JOBS         ?= 2
 BUILD_TYPE   ?= Release
-CTEST_ARGS   ?= --output-on-failure -j $(JOBS)
+# CTest's slots do not limit: tests/resources.json does, with this
+# machine's cores and one slot for the tests that wait (Note [Test resources]
+# in cmake/TesseraTesting.cmake).
+CTEST_ARGS   ?= --output-on-failure -j 16
 # The PyPI wheel's LibTorch is built with CUDA: its CMake config needs a
 # working nvcc even though tessera compiles no .cu files.
 CUDA_HOME    ?= /usr/local/cuda
@@ -39,7 +42,7 @@ build: configure
 
 # The skips of the run are listed after CTest's summary (scripts/test-skips.sh).
 test: build
-	ctest --test-dir $(BUILD) $(CTEST_ARGS); status=$$?; scripts/test-skips.sh $(BUILD); exit $$status
+	ctest --test-dir $(BUILD) --resource-spec-file $(abspath $(BUILD))/tests/resources.json $(CTEST_ARGS); status=$$?; scripts/test-skips.sh $(BUILD); exit $$status
 
 DEMO_DIR      = $(BUILD)/demo
 DEMO_ARGS    ?= --dp 2 --pp 2 --tp 2 --spec zero2 --schedule 1f1b --steps 1000 --lr 2e-3 --warmup 50 \
@@ -79,7 +82,8 @@ test-latest: deps
 	    -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DTORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
 	    -DPython3_EXECUTABLE=$(abspath $(BUILD_LATEST))/venv/bin/python && \
 	  cmake --build $(BUILD_LATEST) -j $(JOBS) && \
-	  { LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) $(CTEST_ARGS); \
+	  { LD_LIBRARY_PATH="$$TORCH_LD_LIBRARY_PATH:$$LD_LIBRARY_PATH" ctest --test-dir $(BUILD_LATEST) \
+	    --resource-spec-file $(abspath $(BUILD_LATEST))/tests/resources.json $(CTEST_ARGS); \
 	    status=$$?; scripts/test-skips.sh $(BUILD_LATEST); exit $$status; }
 
 clean:

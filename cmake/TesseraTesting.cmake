@@ -55,7 +55,10 @@ function(tessera_add_mpi_failure_test)
   set_tests_properties(${T_NAME}.np${T_RANKS} PROPERTIES
     TIMEOUT 60
     # Under expect_failure.cmake's own 30 s, so a hang is reported by name.
-    ENVIRONMENT "${TESSERA_MPI_TEST_ENV};TESSERA_COMM_TIMEOUT=20"
+    # mpirun waits 2 s after a rank exits non-zero (SIGTERM, then SIGKILL a
+    # second later, for ranks that write flight records on SIGTERM); a
+    # refusal writes none, and the suite has some 70 of them.
+    ENVIRONMENT "${TESSERA_MPI_TEST_ENV};TESSERA_COMM_TIMEOUT=20;OMPI_MCA_odls_base_sigkill_timeout=0"
     LABELS "mpi;np${T_RANKS};invalid-input")
 endfunction()
 
@@ -83,6 +86,22 @@ endfunction()
 # tessera's message naming the operation, its sequence number and its peers
 # (Note [Timeouts]) before CTest kills the job with a bare "Timeout".
 function(tessera_finish_tests)
+  # Note [Test resources]
+  # `make test` runs CTest with tests/resources.json: `cores` (this machine's
+  # count) and one `waits` slot. A test with ranks takes min(ranks, cores)
+  # cores, a one-process test one, and a test labelled `waits` only the
+  # waits slot: it spends its time blocked in the timeout or abort it
+  # provoked, so it runs beside the compute-bound tests instead of after
+  # them (about 250 s of a 2-core suite). CTest's -j must then be large
+  # enough not to limit (make test passes 16): the cores decide. Without the
+  # file (a plain `ctest -j N`) the PROCESSORS below decide as before.
+  set(cores ${TESSERA_TEST_CORES})
+  if(NOT cores)
+    cmake_host_system_information(RESULT cores QUERY NUMBER_OF_LOGICAL_CORES)
+  endif()
+  file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/resources.json
+    "{\"version\": {\"major\": 1, \"minor\": 0}, \"local\": [{\"cores\": [{\"id\": \"0\", \"slots\": ${cores}}], "
+    "\"waits\": [{\"id\": \"0\", \"slots\": 1}]}]}\n")
   get_property(tests DIRECTORY PROPERTY TESTS)
   foreach(t ${tests})
     get_test_property(${t} LABELS labels)
@@ -104,20 +123,32 @@ function(tessera_finish_tests)
       set_property(TEST ${t} APPEND PROPERTY ENVIRONMENT "TESSERA_COMM_TIMEOUT=${comm_timeout}")
     endif()
     # Note [Tests in parallel]
-    # `ctest -j N` (make test passes the build's JOBS) runs tests side by side
+    # `ctest -j N` (without the resource file of Note [Test resources]) runs tests side by side
     # within N slots: an MPI test takes one slot per rank (CTest lets a test
     # that wants more than N run alone), so one-rank tests pair up and an
     # 8-rank test has the machine. Refusals end before any work: one slot.
-    # Tests that start ranks of their own, or measure time or memory, run alone;
-    # those labelled `waits` spend most of their time waiting for a timeout or
-    # an abort they provoked, so they take one slot beside another test
-    # (their checks allow tens of seconds: a busy core does not move them).
-    if(labels MATCHES "(^|;)(invalid-input|waits)(;|$)")
-      set_tests_properties(${t} PROPERTIES PROCESSORS 1)
-    elseif(labels MATCHES "(^|;)np([0-9]+)(;|$)")
-      set_tests_properties(${t} PROPERTIES PROCESSORS ${CMAKE_MATCH_2})
-    elseif(labels MATCHES "(^|;)(fault|elastic|example|checkpoint|huggingface|python|install|planner|timing|memory)(;|$)")
+    # Tests that measure time or memory run alone; tests that start ranks of
+    # their own take every core (a `waits` test may run beside them). Those
+    # labelled `waits` spend most of their time waiting for a timeout or an
+    # abort they provoked, so they take one slot beside another test (their
+    # checks allow tens of seconds: a busy core does not move them).
+    if(labels MATCHES "(^|;)(timing|memory)(;|$)")
       set_tests_properties(${t} PROPERTIES RUN_SERIAL TRUE)
+    elseif(labels MATCHES "(^|;)waits(;|$)")
+      set_tests_properties(${t} PROPERTIES PROCESSORS 1 RESOURCE_GROUPS "waits:1")
+    elseif(labels MATCHES "(^|;)invalid-input(;|$)")
+      set_tests_properties(${t} PROPERTIES PROCESSORS 1 RESOURCE_GROUPS "cores:1")
+    elseif(labels MATCHES "(^|;)np([0-9]+)(;|$)")
+      set(ranks ${CMAKE_MATCH_2})
+      set(need ${ranks})
+      if(need GREATER cores)
+        set(need ${cores})
+      endif()
+      set_tests_properties(${t} PROPERTIES PROCESSORS ${ranks} RESOURCE_GROUPS "cores:${need}")
+    elseif(labels MATCHES "(^|;)(fault|elastic|example|checkpoint|huggingface|python|install|planner)(;|$)")
+      set_tests_properties(${t} PROPERTIES PROCESSORS ${cores} RESOURCE_GROUPS "cores:${cores}")
+    else()
+      set_tests_properties(${t} PROPERTIES RESOURCE_GROUPS "cores:1")
     endif()
   endforeach()
 endfunction()
