@@ -719,6 +719,16 @@ TEST(Checkpoint, RandomStatesRoundTripAndAbsentDevicesAreReported) {
   infer::CheckpointReader bad_reader(bad);
   EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(bad_reader, *m, rank); },
                                 "is not named dropout/<layer>/<device>"));
+
+  // A generator takes its state as bytes in host memory (an elastic move
+  // delivers pieces on the model's device: they are copied back first).
+  train::TensorPiece floats = pieces.front();
+  floats.data = floats.data.to(at::kFloat);
+  const std::string wrong = shared_dir("rng_dtype") + "/ckpt";
+  train::save_checkpoint(wrong, {floats}, "{}", world);
+  infer::CheckpointReader wrong_reader(wrong);
+  EXPECT_TRUE(test::throws_with([&] { train::load_random_state_pieces(wrong_reader, *m, rank); },
+                                "holds Float values, but a generator's state is bytes"));
 }
 
 // Saved at dp2 x pp2 x tp2, loaded at dp4 x tp2, tp4 x dp2, 2D x dp2, pp4 x dp2 and in one process.
