@@ -6,7 +6,9 @@
 // over every rank of the test. The Llama family against the reference Llama
 // (reference_llama.h) with random biases and norms, its architecture read
 // from the file's metadata. Then what it refuses: damaged, truncated and
-// missing weights, a budget too small, bad options; and the sampler.
+// missing weights, a budget too small, bad options; and the sampler. The
+// comparisons compute on TESSERA_TEST_DEVICE (the reference on the CPU); the
+// budget's tests measure this process's memory and stay on the CPU.
 #include "gpt_weights.h"
 #include "llama_weights.h"
 #include "reference_gpt.h"
@@ -136,7 +138,7 @@ TEST(StreamedGPT, LogitsEqualTheSerialModelFromEverySourceAndPlan) {
       const char* name;
       StreamedGPTOptions options;
     };
-    const auto base = StreamedGPTOptions().batch(2).max_length(16).group(tp_group());
+    const auto base = StreamedGPTOptions().batch(2).max_length(16).group(tp_group()).device(test::device());
     for (const auto& plan : {Plan{"in memory", base}, Plan{"prefetch 2", StreamedGPTOptions(base).resident_if_fits(false).buffers(2)},
                              Plan{"prefetch 3", StreamedGPTOptions(base).resident_if_fits(false).buffers(3)},
                              Plan{"no prefetch", StreamedGPTOptions(base).resident_if_fits(false).prefetch(false)}}) {
@@ -187,8 +189,12 @@ TEST(StreamedGPT, LlamaFamilyEqualsTheReferenceThroughTheKVCache) {
     const models::GPTConfig read = infer::gpt_config_from_weights(*stored);
     EXPECT_EQ(read.to_json(), models::GPTConfig(c).dropout(0).to_json()) << "the recorded architecture";
     for (bool resident : {true, false}) {
-      StreamedGPT model(stored, StreamedGPTOptions().batch(2).max_length(12).resident_if_fits(resident).group(
-                                    w->size() == 2 ? w : nullptr));
+      StreamedGPT model(stored, StreamedGPTOptions()
+                                    .batch(2)
+                                    .max_length(12)
+                                    .resident_if_fits(resident)
+                                    .device(test::device())
+                                    .group(w->size() == 2 ? w : nullptr));
       EXPECT_LE(test::rel_error(streamed_logits(model, ids), expected), 1e-5) << (resident ? "resident" : "streamed");
     }
   }
@@ -197,8 +203,9 @@ TEST(StreamedGPT, LlamaFamilyEqualsTheReferenceThroughTheKVCache) {
 TEST(StreamedGPT, GreedyGenerationFollowsTheSerialModel) {
   const auto weights = test::gpt_random_weights(config(), 23);
   const Stored s = store("greedy", weights, config().heads());
-  StreamedGPT model(std::make_shared<StoredWeights>(s.file),
-                    StreamedGPTOptions().batch(2).max_length(20).resident_if_fits(false).group(tp_group()));
+  StreamedGPT model(
+      std::make_shared<StoredWeights>(s.file),
+      StreamedGPTOptions().batch(2).max_length(20).resident_if_fits(false).group(tp_group()).device(test::device()));
   const at::Tensor prompt = test::seeded_token_ids(9, config().vocab(), 2, 4);
   const auto gen = infer::generate(model, prompt, 10, infer::SamplingOptions().temperature(0), true);
   ASSERT_EQ(gen.tokens.sizes(), (std::vector<int64_t>{2, 10}));
@@ -225,7 +232,9 @@ TEST(StreamedGPT, Bf16WeightsComputeInFloat) {
     SCOPED_TRACE(path);
     auto stored = std::make_shared<StoredWeights>(path);
     EXPECT_EQ(stored->dtype("h.0.attn.c_attn.weight"), at::kBFloat16);
-    StreamedGPT model(stored, StreamedGPTOptions().batch(2).max_length(12).resident_if_fits(false).group(tp_group()));
+    StreamedGPT model(
+        stored,
+        StreamedGPTOptions().batch(2).max_length(12).resident_if_fits(false).group(tp_group()).device(test::device()));
     const at::Tensor got = streamed_logits(model, ids);
     EXPECT_EQ(got.scalar_type(), at::kFloat);
     EXPECT_LE(test::rel_error(got, expected), 1e-5);
@@ -333,6 +342,9 @@ TEST(StreamedGPT, RefusesABudgetItCannotKeepAndBadOptions) {
                                 "without prefetch leave it 0"));
   EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).max_length(33)); }, "max_length 33 must lie in"));
   EXPECT_TRUE(test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).heads(5)); }, "not divisible by 5 heads"));
+  EXPECT_TRUE(
+      test::throws_with([&] { StreamedGPT(stored, StreamedGPTOptions(options).device(c10::Device("cuda:99"))); },
+                        "device cuda:99 is refused: this process sees"));
   StreamedGPT model(stored, StreamedGPTOptions(options).max_length(4).batch(2));
   EXPECT_TRUE(test::throws_with([&] { model.reset(3); }, "batch 3 must lie in [1, 2]"));
   model.reset(1);

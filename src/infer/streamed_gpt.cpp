@@ -229,7 +229,8 @@ struct StreamedGPT::Impl {
     const Unit& u = units[unit];
     for (size_t i = 0; i < u.reads.size(); ++i) {
       const auto& r = u.reads[i];
-      out[u.names[i]] = at::from_blob(base + u.offsets[i], r.length, at::TensorOptions().dtype(r.dtype)).to(at::kFloat);
+      out[u.names[i]] =
+          at::from_blob(base + u.offsets[i], r.length, at::TensorOptions().dtype(r.dtype)).to(o.device(), at::kFloat);
     }
     return out;
   }
@@ -320,8 +321,9 @@ struct StreamedGPT::Impl {
     if (lkv != lh) keys = keys.repeat_interleave(lh / lkv, 1), values = values.repeat_interleave(lh / lkv, 1);
     at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
     if (t > 1) {  // query i (at pos + i) sees keys 0 .. pos + i
-      const at::Tensor q_pos = at::arange(pos, pos + t, at::kLong).unsqueeze(1);
-      const at::Tensor k_pos = at::arange(0, pos + t, at::kLong).unsqueeze(0);
+      const auto longs = at::TensorOptions(at::kLong).device(o.device());
+      const at::Tensor q_pos = at::arange(pos, pos + t, longs).unsqueeze(1);
+      const at::Tensor k_pos = at::arange(0, pos + t, longs).unsqueeze(0);
       scores = scores.masked_fill(k_pos > q_pos, -std::numeric_limits<float>::infinity());
     }
     const at::Tensor att = at::matmul(at::softmax(scores, -1), values).permute({0, 2, 1, 3}).reshape({b, t, lh * d});
@@ -348,7 +350,7 @@ struct StreamedGPT::Impl {
     }
     for (const auto& work : works) work.wait();
     for (size_t i = 0; i < plans.size(); ++i) w->complete(plans[i], parts[i].data_ptr());
-    return at::cat(parts).to(at::kFloat);
+    return at::cat(parts).to(o.device(), at::kFloat);
   }
 
   // Rows of a [rows, hidden] table (token or position embedding).
@@ -368,19 +370,19 @@ struct StreamedGPT::Impl {
     if (c.positions() == models::Positions::kLearned)
       x = x + rows("wpe.weight", positions).unsqueeze(0);
     else
-      std::tie(cos, sin) = nn::rotary_cos_sin(inverse_frequencies, positions, at::kFloat, at::kCPU);
+      std::tie(cos, sin) = nn::rotary_cos_sin(inverse_frequencies, positions, at::kFloat, o.device());
     for (int64_t i = 0; i < c.layers(); ++i) {
       x = block(i, acquire(i), x, cos, sin);
       release();
     }
     x = norm(x, ln_f_w, ln_f_b);
-    at::Tensor logits = at::zeros({b, t, c.vocab()}, at::kFloat);
+    at::Tensor logits = at::zeros({b, t, c.vocab()}, at::TensorOptions(at::kFloat).device(o.device()));
     for (int64_t unit = c.layers(); unit < static_cast<int64_t>(units.size()); ++unit) {
       const at::Tensor table = acquire(unit).at("table");
       logits.narrow(2, units[unit].head_row, table.size(0)).copy_(at::matmul(x, table.t()));
       release();
     }
-    return all_reduce(logits);
+    return all_reduce(logits).to(at::kCPU);
   }
 };
 
@@ -399,6 +401,13 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     const auto& c = m.c;
     TORCH_CHECK(m.o.max_memory() >= 0, "StreamedGPT: max_memory must be >= 0 (0: no limit), got ", m.o.max_memory());
     TORCH_CHECK(m.o.batch() >= 1, "StreamedGPT: batch must be >= 1, got ", m.o.batch());
+    const c10::Device& dev = m.o.device();
+    const int64_t gpus = at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
+    TORCH_CHECK(dev.is_cpu() || (dev.is_cuda() && dev.has_index() && dev.index() < gpus), "StreamedGPT: device ",
+                dev.str(), " is refused: ",
+                dev.is_cuda() ? (dev.has_index() ? fmt::format("this process sees {} CUDA device(s)", gpus)
+                                                 : std::string("name the CUDA device's index (cuda:0, ...)"))
+                              : std::string("it computes on the CPU or a CUDA device"));
     TORCH_CHECK(m.o.buffers() == 0 || (m.o.prefetch() && m.o.buffers() >= 2), "StreamedGPT: buffers ",
                 m.o.buffers(), " is refused: with prefetch it must be >= 2 (one computes while the others load), ",
                 "without prefetch leave it 0 (one buffer)");
@@ -453,6 +462,7 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     const int64_t floats = b * len * (6 * h + 6 * m.lh * m.d + mlp + 2 * c.vocab() + p.buffer_bytes / row_bytes) +
                            2 * b * m.lh * len * len + 2 * largest_tensor;
     p.work_bytes = floats * f;
+    if (!m.o.device().is_cpu()) p.kv_bytes = p.work_bytes = 0;  // the device's (Note [Streamed inference on a device])
     p.margin_bytes = std::max<int64_t>(16 << 20, m.o.max_memory() / 20);
     p.resident = m.o.resident_if_fits() &&
                  (m.o.max_memory() == 0 || p.baseline_bytes + p.weight_bytes + p.kv_bytes + p.work_bytes +
@@ -472,8 +482,8 @@ StreamedGPT::StreamedGPT(std::shared_ptr<StoredWeights> weights, StreamedGPTOpti
     m.ln_f_w = m.read_now({m.w->plan_whole("ln_f.weight")});
     if (c.norm() == nn::NormKind::kLayerNorm) m.ln_f_b = m.read_now({m.w->plan_whole("ln_f.bias")});
     for (int64_t i = 0; i < c.layers(); ++i) {
-      m.k_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::kFloat));
-      m.v_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::kFloat));
+      m.k_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::TensorOptions(at::kFloat).device(m.o.device())));
+      m.v_cache.push_back(at::zeros({b, m.lkv, len, m.d}, at::TensorOptions(at::kFloat).device(m.o.device())));
     }
     if (p.resident) {
       for (const auto& u : m.units) {

@@ -36,6 +36,15 @@
 // into the first block of the next. Without prefetch (one buffer) each
 // load is issued when its unit is needed. What the compute waits for a load
 // is the stall; hidden_fraction() = 1 - stall / read time.
+// Note [Streamed inference on a device]
+// With a CUDA device the weights are still read into host memory (the
+// buffers, or every unit when resident), and each unit is copied to the
+// device, converted to float, when it computes; the KV cache, embeddings
+// read, activations and logits live on the device, and forward() returns
+// the logits in host memory. max_memory stays the host process's budget:
+// its plan then holds the baseline, the weights or buffers and the margin,
+// not the KV cache or working memory, which are the device's. The device's
+// own memory is not planned.
 // Tensor parallelism. Ranks split heads (c_attn rows, whose [3h, h] layout
 // groups q, k, v per head; or q_proj rows and kv_proj rows, grouped per kv
 // head), MLP columns (c_gate and c_fc rows, c_proj columns) and
@@ -48,6 +57,7 @@
 #include "tessera/infer/stored_weights.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -78,6 +88,8 @@ struct StreamedGPTOptions {
   TORCH_ARG(int64_t, heads) = 0;
   // Tensor-parallel ranks; null: this rank alone.
   TORCH_ARG(comm::CommunicatorPtr, group) = nullptr;
+  // Where the forward computes (Note [Streamed inference on a device]).
+  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
 
  public:
   StreamedGPTOptions() = default;
