@@ -126,7 +126,8 @@ function(tessera_finish_tests)
     # `ctest -j N` (without the resource file of Note [Test resources]) runs tests side by side
     # within N slots: an MPI test takes one slot per rank (CTest lets a test
     # that wants more than N run alone), so one-rank tests pair up and an
-    # 8-rank test has the machine. Refusals end before any work: one slot.
+    # 8-rank test has the machine. Refusals end before any work, and the
+    # install test mostly compiles one file: one slot.
     # Tests that measure time or memory run alone; tests that start ranks of
     # their own take every core (a `waits` test may run beside them). Those
     # labelled `waits` spend most of their time waiting for a timeout or an
@@ -136,7 +137,7 @@ function(tessera_finish_tests)
       set_tests_properties(${t} PROPERTIES RUN_SERIAL TRUE)
     elseif(labels MATCHES "(^|;)waits(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS 1 RESOURCE_GROUPS "waits:1")
-    elseif(labels MATCHES "(^|;)invalid-input(;|$)")
+    elseif(labels MATCHES "(^|;)(invalid-input|install)(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS 1 RESOURCE_GROUPS "cores:1")
     elseif(labels MATCHES "(^|;)np([0-9]+)(;|$)")
       set(ranks ${CMAKE_MATCH_2})
@@ -145,7 +146,7 @@ function(tessera_finish_tests)
         set(need ${cores})
       endif()
       set_tests_properties(${t} PROPERTIES PROCESSORS ${ranks} RESOURCE_GROUPS "cores:${need}")
-    elseif(labels MATCHES "(^|;)(fault|elastic|example|checkpoint|huggingface|python|install|planner)(;|$)")
+    elseif(labels MATCHES "(^|;)(fault|elastic|example|checkpoint|huggingface|python|planner)(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS ${cores} RESOURCE_GROUPS "cores:${cores}")
     else()
       set_tests_properties(${t} PROPERTIES RESOURCE_GROUPS "cores:1")
