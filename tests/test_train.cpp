@@ -28,6 +28,7 @@
 #include "tessera/core/safetensors.h"
 #include "tessera/train/trainer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -564,22 +565,23 @@ TEST(Trainer, SequenceParallelEqualsSerial) {
 TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
   auto world = test::world();
   const int64_t rows = 12;
+  const int saved_at = 4, steps = 8;  // saved mid-decay; the resumed steps cross its end (kDecayEnd)
   auto cases = layouts(world->size());
   // Optimizer states on disk: a save brings them in, a load sends them back.
   cases.push_back({"dp_zero2_disk", ParallelConfig().data(world->size()), "zero2", 1, false, 1, true});
   for (const Layout& s : cases) {
     SCOPED_TRACE(s.name);
-    const std::string dir = shared_dir("resume_" + s.name) + "/step-10";
+    const std::string dir = shared_dir("resume_" + s.name) + "/step-" + std::to_string(saved_at);
     auto ctx = context::ParallelContext::create(world, s.parallel);
     std::vector<double> after;
     {
       Model a = make_run(ctx, s, 7, 0.1, true);
-      for (int step = 0; step < 10; ++step) {
+      for (int step = 0; step < saved_at; ++step) {
         auto [x, y] = batch(ctx, rows, step);
         a.trainer->train_step(x, y);
       }
-      a.trainer->save(dir, R"({"next_step": 10})");
-      for (int step = 10; step < 20; ++step) {
+      a.trainer->save(dir, fmt::format(R"({{"next_step": {}}})", saved_at));
+      for (int step = saved_at; step < steps; ++step) {
         auto [x, y] = batch(ctx, rows, step);
         after.push_back(a.trainer->train_step(x, y).loss);
       }
@@ -587,11 +589,11 @@ TEST(Checkpoint, ResumeReproducesLossesBitForBit) {
     torch::manual_seed(99);  // the loaded RNG state must take over
     Model b = make_run(ctx, s, 1234, 0.1, true);
     const std::string extra = b.trainer->load(dir);
-    EXPECT_EQ(extra, R"({"next_step":10})");
-    EXPECT_EQ(b.trainer->step(), 10);
-    for (int step = 10; step < 20; ++step) {
+    EXPECT_EQ(extra, fmt::format(R"({{"next_step":{}}})", saved_at));
+    EXPECT_EQ(b.trainer->step(), saved_at);
+    for (int step = saved_at; step < steps; ++step) {
       auto [x, y] = batch(ctx, rows, step);
-      EXPECT_EQ(b.trainer->train_step(x, y).loss, after[step - 10]) << "step " << step;
+      EXPECT_EQ(b.trainer->train_step(x, y).loss, after[step - saved_at]) << "step " << step;
     }
   }
 }
