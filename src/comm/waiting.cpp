@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -154,13 +156,22 @@ void wait_until(const std::function<bool()>& test, const OpInfo& op, const std::
     }
     // Another operation of the family timed out: its ranks are gone.
     check_not_aborted(c, op.op);
+    // Note [Polling a wait]
+    // Spin first (a collective that is about to finish), then yield, then
+    // sleep a twentieth of the time waited so far, from 20 us up to 1 ms:
+    // a wait then ends at most 5 % (or 1 ms) after its operation did, and a
+    // rank waiting for a straggler costs about 1 % of a core instead of the
+    // 16 % that fixed 20 us sleeps cost (a wakeup and an MPI_Testall each),
+    // which ranks sharing cores took from the ranks they waited for.
     if (polls < 100) continue;
+    const auto waited = Clock::now() - start;
     if (polls < 2000) {
       std::this_thread::yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(polls < 20000 ? 20 : 200));
+      std::this_thread::sleep_for(
+          std::clamp<Clock::duration>(waited / 20, std::chrono::microseconds(20), std::chrono::milliseconds(1)));
     }
-    if (c.timeout.count() > 0 && Clock::now() - start >= c.timeout) break;
+    if (c.timeout.count() > 0 && waited >= c.timeout) break;
   }
   const std::string message = fmt::format(
       "tessera: {} did not complete within {:g} s. Peers (rank in the communicator, world rank): {}. One of them "
