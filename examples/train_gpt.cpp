@@ -13,6 +13,7 @@
 #include <tessera/comm/factory.h>
 #include <tessera/comm/flight_recorder.h>
 #include <tessera/comm/tracing_communicator.h>
+#include <tessera/context/hosts.h>
 #include <tessera/train/gpt_run.h>
 #include <tessera/train/metrics.h>
 #include <tessera/train/run_plan.h>
@@ -79,12 +80,13 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
   const double peak_flops = train::measured_matmul_flops(device.is_cuda() ? 4096 : 512, 5, device,
                                                          options.bf16() ? at::kBFloat16 : at::kFloat);
   const auto& cfg = run.config();
-  log.print(fmt::format("train_gpt: {} | data {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, "
-                        "{:.2f} M parameters | {} | {} steps of {} x {} tokens",
-                        run.describe(), data.source(), data.size(), data.vocab(), cfg.layers(), cfg.hidden(),
-                        cfg.heads(), static_cast<double>(run.parameters()) / 1e6, options.optimizer(), options.steps(),
-                        options.elastic() ? "(" + options.batch_schedule() + ")" : std::to_string(options.batch()),
-                        options.seq()));
+  const std::string hosts = context::map_hosts(*world).describe();
+  log.print(fmt::format(
+      "train_gpt: {} | {} | data {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, "
+      "{:.2f} M parameters | {} | {} steps of {} x {} tokens",
+      run.describe(), hosts, data.source(), data.size(), data.vocab(), cfg.layers(), cfg.hidden(), cfg.heads(),
+      static_cast<double>(run.parameters()) / 1e6, options.optimizer(), options.steps(),
+      options.elastic() ? "(" + options.batch_schedule() + ")" : std::to_string(options.batch()), options.seq()));
 
   const uint64_t seed = options.grid().seed();
   std::vector<double> step_seconds;  // for --plan's measured step time

@@ -1,6 +1,7 @@
 #include "tessera/context/hosts.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,16 +16,6 @@ std::string host_name() {
   char name[HOST_NAME_MAX + 1] = {0};
   TORCH_CHECK(gethostname(name, sizeof(name) - 1) == 0, "gethostname failed: cannot tell which ranks share a host");
   return name;
-}
-
-// FNV-1a, the same in every process.
-int64_t hash_of(const std::string& text) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  return static_cast<int64_t>(h & 0x7fffffffffffffffULL);
 }
 
 }  // namespace
@@ -43,16 +34,32 @@ int HostMap::fewest_ranks_per_host() const {
   return fewest;
 }
 
+std::string HostMap::describe() const {
+  if (hosts() == 1) return fmt::format("1 host ({})", names.at(0));
+  std::string out = fmt::format("{} hosts:", hosts());
+  for (int h = 0; h < hosts(); ++h) {
+    // Ranks of host h as ranges: "0-1,4".
+    std::string ranks;
+    const int n = static_cast<int>(host_of_rank.size());
+    for (int r = 0; r < n; ++r) {
+      if (host_of_rank[r] != h) continue;
+      int last = r;
+      while (last + 1 < n && host_of_rank[last + 1] == h) ++last;
+      ranks += (ranks.empty() ? "" : ",") + (last > r ? fmt::format("{}-{}", r, last) : std::to_string(r));
+      r = last;
+    }
+    out += fmt::format("{} {} ranks {}", h == 0 ? "" : ",", names[h], ranks);
+  }
+  return out;
+}
+
 HostMap map_hosts(comm::Communicator& world) {
-  auto control = world.control();
-  at::Tensor mine = at::full({1}, hash_of(host_name()), at::kLong);
-  at::Tensor all = at::empty({control->size()}, at::kLong);
-  control->all_gather(all, mine)->wait();
+  const std::vector<std::string> all = comm::all_gather_strings(world, host_name());
   HostMap map;
-  std::map<int64_t, int> index;
-  const int64_t* h = all.data_ptr<int64_t>();
-  for (int r = 0; r < control->size(); ++r) {
-    auto it = index.emplace(h[r], static_cast<int>(index.size())).first;
+  std::map<std::string, int> index;
+  for (const std::string& name : all) {
+    auto [it, added] = index.emplace(name, static_cast<int>(index.size()));
+    if (added) map.names.push_back(name);
     map.host_of_rank.push_back(it->second);
   }
   return map;

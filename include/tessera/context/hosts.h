@@ -14,15 +14,20 @@ struct HostMap {
   // Host index of every rank of the communicator; hosts are numbered in the
   // order of their lowest rank.
   std::vector<int> host_of_rank;
+  // Each host's name, by host index.
+  std::vector<std::string> names;
   int hosts() const;
   int ranks_on(int host) const;
   // The fewest ranks any host has.
   int fewest_ranks_per_host() const;
+  // "1 host (NAME)" or "2 hosts: a ranks 0-1, b ranks 2-3" (rank lists
+  // as ranges), for run headers.
+  std::string describe() const;
 };
 
 // Collective over `world` (its control channel): each rank's host name, as
 // gethostname() gives it (a network namespace with its own UTS namespace is
-// a host of its own), hashed and all-gathered.
+// a host of its own), all-gathered.
 HostMap map_hosts(comm::Communicator& world);
 
 }  // namespace context
