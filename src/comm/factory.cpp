@@ -1,6 +1,7 @@
 #include "tessera/comm/factory.h"
 
 #include "tessera/comm/checked_communicator.h"
+#include "tessera/comm/hierarchical_communicator.h"
 #include "tessera/comm/mpi_communicator.h"
 #include "tessera/config.h"
 #ifdef TESSERA_HAVE_NCCL
@@ -59,6 +60,8 @@ auto from_backend(const CommunicatorPtr& comm, const Get& get) -> decltype(get(s
     return from_backend(traced->inner(), get);
   if (const auto* checked = dynamic_cast<const CheckedCommunicator*>(comm.get()))
     return from_backend(checked->inner(), get);
+  if (const auto* hier = dynamic_cast<const HierarchicalCommunicator*>(comm.get()))
+    return from_backend(hier->inner(), get);
   if (auto* mpi = dynamic_cast<MpiCommunicator*>(comm.get())) return get(*mpi);
 #ifdef TESSERA_HAVE_NCCL
   if (auto* nccl = dynamic_cast<NcclCommunicator*>(comm.get())) return get(*nccl);
