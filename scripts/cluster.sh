@@ -1,0 +1,327 @@
+#!/usr/bin/env bash
+# scripts/cluster.sh: a cluster of H hosts on this machine (docs/cluster.md).
+#
+#   cluster.sh up [--name N] [--hosts H] [--ranks R] [--rate RATE] [--delay MS] [--loss PCT] [--slurm]
+#   cluster.sh run [--name N] [--host I] -- COMMAND...
+#   cluster.sh shape [--name N] --host I [--rate RATE] [--delay MS] [--loss PCT]
+#   cluster.sh down [--name N]
+#   cluster.sh status [--name N]
+#
+# Note [The default link]
+# 20 Mbit/s per host keeps this machine's ratio of compute to the link
+# between hosts that of an H100 node with 8 x 400 Gb/s InfiniBand: there,
+# 989 TFLOP/s (bf16, dense) per GPU over 50 GB/s is about 20,000 FLOP per
+# byte; here a rank of a 2 x 2 cluster on 2 cores computes 12.7 GFLOP/s
+# (fp32), so 2 ranks per host over 2 x 12.7e9 / 20,000 = 1.3 MB/s, doubled
+# for fp32 gradients where the H100 sends bf16: 2.5 MB/s = 20 Mbit/s
+# (docs/cluster.md).
+#
+# Each host is a network namespace N-hI with its own hostname (a UTS
+# namespace entered with it), one interface eth0 at 10.231.0.(I+1)/24, and a
+# link to a switch (a bridge in the namespace N-sw) shaped by tc in both
+# directions. Nothing is added to the machine's own namespace: every address
+# lives inside the cluster's namespaces, and `down` removes them all.
+#
+# `run` runs COMMAND on host I (0 by default) with Open MPI told how to reach
+# the others: mpirun's rsh launcher enters a host's namespace through a
+# generated agent (Note [Launching into a namespace] below), the default
+# hostfile lists every host with R slots, and TCP is confined to eth0. Ranks
+# on one host talk through shared memory, ranks on two through TCP.
+#
+# With --slurm, `up` also starts Slurm: munged (its own key and socket),
+# slurmctld on host 0 and one slurmd inside each host, with R CPUs each; `run`
+# then has SLURM_CONF set, so `srun --mpi=pmix -N H -n H*R PROGRAM` launches
+# across the hosts (Note [Slurm in namespaces]).
+set -Eeuo pipefail
+
+die() {
+  echo "cluster.sh: $*" >&2
+  exit 2
+}
+
+cmd="${1:-}"
+[[ -n "$cmd" ]] || die "usage: cluster.sh up|run|shape|down|status [options] (see the head of this script)"
+shift
+
+name=tsr
+hosts=2
+ranks=2
+rate=20mbit  # Note [The default link]
+delay=""
+loss=""
+host=0
+slurm=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+  --name) name="$2"; shift 2 ;;
+  --hosts) hosts="$2"; shift 2 ;;
+  --ranks) ranks="$2"; shift 2 ;;
+  --rate) rate="$2"; shift 2 ;;
+  --delay) delay="$2"; shift 2 ;;
+  --loss) loss="$2"; shift 2 ;;
+  --host) host="$2"; shift 2 ;;
+  --slurm) slurm=1; shift ;;
+  --) shift; break ;;
+  *) die "unknown option '$1' for '$cmd' (see the head of scripts/cluster.sh)" ;;
+  esac
+done
+
+[[ "$name" =~ ^[a-z][a-z0-9]{0,7}$ ]] ||
+  die "--name '$name' must be 1 to 8 lowercase letters and digits, starting with a letter (it prefixes namespace names)"
+state="/run/tessera-cluster/$name"
+switch="$name-sw"
+
+host_ns() { echo "$name-h$1"; }
+
+# tc's rate syntax (kbit, mbit, gbit) to bytes per second, for the burst.
+rate_bytes() {
+  local r="$1" n unit
+  [[ "$r" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "--rate '$r' must be a number followed by kbit, mbit or gbit (e.g. 1gbit)"
+  n="${BASH_REMATCH[1]}"
+  unit="${BASH_REMATCH[2]}"
+  case "$unit" in
+  kbit) echo $((n * 1000 / 8)) ;;
+  mbit) echo $((n * 1000000 / 8)) ;;
+  gbit) echo $((n * 1000000000 / 8)) ;;
+  esac
+}
+
+# Shapes one direction of a link: DEV inside namespace NS.
+# Note [Shaping a link]
+# tbf limits the rate. Its bucket holds 2 ms at the rate (at least 64 KiB, so
+# that a veth's 64 KiB segments pass), which lets a message shorter than that
+# leave at once, as on a real link whose serialization time is that short.
+# Delay and loss need netem, which some kernels (this machine's among them)
+# are built without: asked for there, they are refused, not ignored.
+shape_dev() {
+  local ns="$1" dev="$2" bytes burst
+  bytes=$(rate_bytes "$rate")
+  burst=$((bytes / 500))
+  ((burst >= 65536)) || burst=65536
+  ip -n "$ns" link set "$dev" up
+  tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
+  if [[ -n "$delay$loss" ]]; then
+    local netem=(netem)
+    [[ -n "$delay" ]] && netem+=(delay "${delay}ms")
+    [[ -n "$loss" ]] && netem+=(loss "${loss}%")
+    tc -n "$ns" qdisc add dev "$dev" root handle 1: "${netem[@]}" 2>/dev/null ||
+      die "--delay/--loss need the kernel's netem queueing discipline (sch_netem), which this kernel lacks ('tc qdisc add ... netem' is refused); shape the rate alone"
+    tc -n "$ns" qdisc add dev "$dev" parent 1:1 handle 10: tbf rate "$rate" burst "$burst" latency 200ms
+  else
+    tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst" latency 200ms
+  fi
+}
+
+# Note [Slurm in namespaces]
+# Every daemon is this cluster's own: munged with a key made for it and a
+# socket in the state directory (Slurm reaches it through AuthInfo), and
+# slurmctld and the slurmds with a configuration in the state directory,
+# their spool, state, logs and pid files there too. slurmctld runs on host 0
+# and each slurmd inside its host's namespaces under that host's name, so
+# that what srun starts (through slurmstepd) is on that host. Processes are
+# tracked without cgroups (proctrack/linuxproc, task/none): the namespaces
+# are the only isolation. Yet slurmd 22.05 will not start without a cgroup
+# plugin, and `ip netns exec` mounts a fresh /sys without the cgroup
+# hierarchies: each slurmd mounts the v1 ones it needs in its own mount
+# namespace (cgroup/v1, nothing created in them by these plugins). Each
+# slurmd also has a /tmp of its own, as a real host has: PMIx makes
+# directories there named by job and step alone.
+# SlurmdParameters=config_overrides lets a host declare R CPUs on a machine
+# with fewer.
+slurm_up() {
+  local tool
+  for tool in munged mungekey slurmctld slurmd srun sinfo; do
+    command -v "$tool" >/dev/null || die "--slurm needs $tool (Debian packages munge, slurmctld, slurmd, slurm-client)"
+  done
+  local conf="$state/slurm.conf" i ns
+  mkdir -p "$state/slurm/ctld" "$state/slurm/spool"
+  mungekey --create --keyfile="$state/munge.key" --force
+  chmod 0400 "$state/munge.key"
+  ip netns exec "$switch" munged --force --key-file="$state/munge.key" --socket="$state/munge.socket" \
+    --pid-file="$state/munged.pid" --log-file="$state/munged.log" --seed-file="$state/munge.seed"
+  {
+    echo "ClusterName=$name"
+    echo "SlurmctldHost=$(host_ns 0)(10.231.0.1)"
+    echo "AuthType=auth/munge"
+    echo "CredType=cred/munge"
+    echo "AuthInfo=socket=$state/munge.socket"
+    echo "SlurmUser=root"
+    echo "SlurmdUser=root"
+    echo "SlurmctldPort=6817"
+    echo "SlurmdPort=6818"
+    echo "StateSaveLocation=$state/slurm/ctld"
+    echo "SlurmdSpoolDir=$state/slurm/spool/%n"
+    echo "SlurmctldPidFile=$state/slurm/slurmctld.pid"
+    echo "SlurmdPidFile=$state/slurm/slurmd-%n.pid"
+    echo "SlurmctldLogFile=$state/slurm/slurmctld.log"
+    echo "SlurmdLogFile=$state/slurm/slurmd-%n.log"
+    echo "ProctrackType=proctrack/linuxproc"
+    echo "TaskPlugin=task/none"
+    echo "MpiDefault=pmix"
+    echo "SwitchType=switch/none"
+    echo "SchedulerType=sched/builtin"
+    echo "SelectType=select/cons_tres"
+    echo "SelectTypeParameters=CR_CPU"
+    echo "SlurmdParameters=config_overrides"
+    echo "ReturnToService=2"
+    echo "JobAcctGatherType=jobacct_gather/none"
+    echo "AccountingStorageType=accounting_storage/none"
+    echo "MailProg=/bin/true"
+    echo "PropagateResourceLimits=NONE"
+    for ((i = 0; i < hosts; i++)); do
+      echo "NodeName=$(host_ns "$i") NodeAddr=10.231.0.$((i + 1)) CPUs=$ranks State=UNKNOWN"
+    done
+    echo "PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
+  } >"$conf"
+  echo "CgroupPlugin=cgroup/v1" >"$state/cgroup.conf"
+  in_host 0 slurmctld -c -f "$conf" || die "slurmctld did not start: $(tail -3 "$state/slurm/slurmctld.log" 2>/dev/null)"
+  for ((i = 0; i < hosts; i++)); do
+    ns=$(host_ns "$i")
+    mkdir -p "$state/slurm/spool/$ns" "$state/tmp/$ns"
+    ip netns exec "$ns" unshare --uts /bin/sh -c 'mount --bind "$2" /tmp && mount -t tmpfs cgroup /sys/fs/cgroup &&
+      for c in freezer cpuset memory devices; do
+        mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c || exit 1
+      done && hostname "$0" && exec slurmd -f "$1" -N "$0"' "$ns" "$conf" "$state/tmp/$ns" ||
+      die "slurmd on $ns did not start: $(tail -3 "$state/slurm/slurmd-$ns.log" 2>/dev/null)"
+  done
+  # Ready when every host is idle.
+  local idle=0 tries
+  for ((tries = 0; tries < 60; tries++)); do
+    idle=$(in_host 0 env SLURM_CONF="$conf" sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l || true)
+    ((idle >= hosts)) && break
+    sleep 0.5
+  done
+  ((idle >= hosts)) || die "Slurm: $idle of $hosts hosts idle after 30 s (logs in $state/slurm)"
+}
+
+# Runs COMMAND on host I: inside its network namespace, under its hostname.
+in_host() {
+  local ns
+  ns=$(host_ns "$1")
+  shift
+  ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$ns" "$@"
+}
+
+check_root() {
+  [[ $(id -u) -eq 0 ]] || die "creating network namespaces needs root (this is uid $(id -u))"
+  command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (Debian package iproute2)"
+}
+
+up() {
+  check_root
+  [[ "$hosts" =~ ^[1-9][0-9]?$ && "$hosts" -le 64 ]] || die "--hosts '$hosts' must be 1 to 64"
+  [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || die "--ranks '$ranks' must be a positive count of slots per host"
+  rate_bytes "$rate" >/dev/null
+  [[ -z "$delay" || "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--delay '$delay' must be milliseconds (e.g. 10)"
+  [[ -z "$loss" || "$loss" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--loss '$loss' must be a percentage (e.g. 1)"
+  [[ ! -e "$state" ]] || die "a cluster named '$name' is up ($state): 'cluster.sh down --name $name' first"
+  mkdir -p "$state"
+  trap 'echo "cluster.sh: up failed; removing what it made" >&2; down >/dev/null 2>&1 || true' ERR
+  ip netns add "$switch"
+  ip -n "$switch" link set lo up
+  ip -n "$switch" link add br0 type bridge
+  ip -n "$switch" link set br0 up
+  : >"$state/hostfile"
+  local i ns hosts_file
+  for ((i = 0; i < hosts; i++)); do
+    ns=$(host_ns "$i")
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip -n "$switch" link add "h$i" type veth peer name eth0 netns "$ns"
+    ip -n "$switch" link set "h$i" master br0
+    ip -n "$ns" addr add "10.231.0.$((i + 1))/24" dev eth0
+    shape_dev "$ns" eth0
+    shape_dev "$switch" "h$i"
+    echo "$ns slots=$ranks" >>"$state/hostfile"
+  done
+  # `ip netns exec` bind-mounts /etc/netns/NS/hosts over /etc/hosts: each
+  # host resolves the others' names without touching the machine's file.
+  for ((i = 0; i < hosts; i++)); do
+    ns=$(host_ns "$i")
+    mkdir -p "/etc/netns/$ns"
+    hosts_file="/etc/netns/$ns/hosts"
+    {
+      echo "127.0.0.1 localhost"
+      for ((j = 0; j < hosts; j++)); do echo "10.231.0.$((j + 1)) $(host_ns "$j")"; done
+    } >"$hosts_file"
+  done
+  # Note [Launching into a namespace]
+  # Open MPI's rsh launcher runs `AGENT HOST COMMAND...` as it would run ssh.
+  # The agent enters HOST's network namespace and a UTS namespace of its own,
+  # sets the hostname (so that every rank's gethostname() names its host),
+  # and runs the command with a shell, as sshd would.
+  {
+    echo '#!/usr/bin/env bash'
+    echo "cluster=$name"
+    cat <<'EOF'
+set -euo pipefail
+while [[ "${1:-}" == -* ]]; do shift; done
+h="$1"
+shift
+[[ "$h" == "$cluster"-h* && -e "/run/netns/$h" ]] || {
+  echo "cluster agent: '$h' is not a host of cluster $cluster" >&2
+  exit 255
+}
+exec ip netns exec "$h" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$h" "$*"
+EOF
+  } >"$state/agent"
+  chmod +x "$state/agent"
+  echo "$hosts $ranks $rate ${delay:-0} ${loss:-0}" >"$state/shape"
+  ((slurm == 0)) || slurm_up
+  trap - ERR
+  echo "cluster $name: $hosts hosts x $ranks ranks ($(host_ns 0) .. $(host_ns $((hosts - 1))), 10.231.0.1-$hosts), each link $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}$( ((slurm == 0)) || echo ", Slurm up")"
+}
+
+shape() {
+  check_root
+  [[ -e "$state" ]] || die "no cluster named '$name' is up"
+  ip netns list | grep -q "^$(host_ns "$host")\b" || die "--host $host: cluster '$name' has no such host"
+  shape_dev "$(host_ns "$host")" eth0
+  shape_dev "$switch" "h$host"
+  echo "cluster $name: host $host's link now $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}"
+}
+
+run() {
+  [[ -e "$state" ]] || die "no cluster named '$name' is up ('cluster.sh up --name $name' first)"
+  [[ $# -gt 0 ]] || die "run needs a command after --"
+  local ns
+  ns=$(host_ns "$host")
+  [[ -e "/run/netns/$ns" ]] || die "--host $host: cluster '$name' has no such host"
+  [[ ! -e "$state/slurm.conf" ]] || export SLURM_CONF="$state/slurm.conf"
+  OMPI_MCA_plm_rsh_agent="$state/agent" \
+    OMPI_MCA_orte_default_hostfile="$state/hostfile" \
+    OMPI_MCA_btl_tcp_if_include=eth0 \
+    OMPI_MCA_oob_tcp_if_include=eth0 \
+    exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$ns" "$@"
+}
+
+down() {
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$name-(h[0-9]+|sw)$" || true); do
+    # Processes left in a host (a killed job's orted) would keep it alive.
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+    rm -rf "/etc/netns/$ns"
+  done
+  rm -rf "$state"
+  echo "cluster $name: down"
+}
+
+status() {
+  [[ -e "$state" ]] || { echo "cluster $name: not up"; return 1; }
+  read -r h r rt d l <"$state/shape"
+  echo "cluster $name: $h hosts x $r ranks, links $rt (delay ${d} ms, loss ${l} %)"
+  local i
+  for ((i = 0; i < h; i++)); do
+    echo "  $(host_ns "$i") 10.231.0.$((i + 1)): $(tc -n "$(host_ns "$i")" qdisc show dev eth0 | head -1)"
+  done
+}
+
+case "$cmd" in
+up) up ;;
+run) run "$@" ;;
+shape) shape ;;
+down) down ;;
+status) status ;;
+*) die "unknown command '$cmd': up, run, shape, down or status" ;;
+esac

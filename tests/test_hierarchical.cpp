@@ -1,0 +1,124 @@
+// HierarchicalCommunicator (Note [Reductions inside a host first]): which
+// groups it takes over, and its all_reduce against reductions computed
+// locally from every rank's input. Hosts are given to it by hand here, so
+// the ranks of this machine stand for 2 hosts of 2 or 4, 4 hosts of 2, with
+// a host's ranks contiguous or interleaved; tests/cluster_run.sh runs it
+// across real network namespaces.
+#include "test_util.h"
+
+#include "tessera/comm/hierarchical_communicator.h"
+#include "tessera/core/dtype.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <vector>
+
+namespace tessera {
+namespace {
+
+using comm::HierarchicalCommunicator;
+using comm::ReduceOp;
+
+TEST(Hierarchical, TakesOverOnlyGroupsSpreadEvenlyOverSeveralHosts) {
+  auto world = test::world();
+  const int n = world->size();
+  const int r = world->rank();
+  EXPECT_EQ(HierarchicalCommunicator::wrap(world, 0), world) << "one host";
+  EXPECT_EQ(HierarchicalCommunicator::wrap(world, r), world) << "one rank per host";
+  EXPECT_EQ(HierarchicalCommunicator::wrap(world, r == 0 ? 0 : 1), world) << "hosts of 1 and n-1 ranks";
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "two hosts of equal size need an even world of 4 or more";
+  auto wrapped = HierarchicalCommunicator::wrap(world, r / (n / 2));
+  ASSERT_NE(wrapped, world);
+  auto* h = dynamic_cast<HierarchicalCommunicator*>(wrapped.get());
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(h->host_group()->size(), n / 2);
+  EXPECT_EQ(h->cross_group()->size(), 2);
+  EXPECT_EQ(h->host_group()->rank(), r % (n / 2));
+  EXPECT_EQ(h->cross_group()->rank(), r / (n / 2));
+  EXPECT_EQ(h->rank(), r);
+  EXPECT_EQ(h->size(), n);
+}
+
+struct Layout {
+  std::string name;
+  std::function<int(int rank, int n)> host;
+};
+
+// Each rank's input, the same wherever it is made.
+at::Tensor input_of(int rank, int64_t numel, c10::ScalarType dtype, ReduceOp op) {
+  at::Tensor x = test::seeded_randn({numel}, 100 + rank, at::kDouble);
+  if (op == ReduceOp::kProduct) x = 1 + 0.05 * x;  // a product of values near 1 stays in range
+  return x.to(dtype);
+}
+
+// The reduction over every rank's input, in double, computed here.
+at::Tensor expected(int n, int64_t numel, c10::ScalarType dtype, ReduceOp op) {
+  at::Tensor acc = input_of(0, numel, dtype, op).to(at::kDouble);
+  for (int q = 1; q < n; ++q) {
+    const at::Tensor x = input_of(q, numel, dtype, op).to(at::kDouble);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: acc = acc + x; break;
+      case ReduceOp::kProduct: acc = acc * x; break;
+      case ReduceOp::kMin: acc = at::minimum(acc, x); break;
+      case ReduceOp::kMax: acc = at::maximum(acc, x); break;
+    }
+  }
+  if (op == ReduceOp::kAvg) acc = acc / n;
+  return acc;
+}
+
+TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  std::vector<Layout> layouts = {
+      {"2 hosts, ranks contiguous", [](int r, int m) { return r / (m / 2); }},
+      {"2 hosts, ranks interleaved", [](int r, int) { return r % 2; }},
+  };
+  if (n >= 8) layouts.push_back({"4 hosts of 2", [](int r, int) { return r / 2; }});
+  const int64_t big = HierarchicalCommunicator::kMinElements;
+  for (const Layout& layout : layouts) {
+    auto group = HierarchicalCommunicator::wrap(world, layout.host(world->rank(), n));
+    ASSERT_NE(group, world) << layout.name;
+    for (c10::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProduct}) {
+        // Flat (under kMinElements), padded to the group's size, and dividing.
+        for (int64_t numel : {int64_t{1000}, big + 5, 4 * big}) {
+          for (bool async : {false, true}) {
+            SCOPED_TRACE(fmt::format("{}, {}, {}, {} elements, {}", layout.name, dtype_name(dtype),
+                                     comm::reduce_op_name(op), numel, async ? "async" : "sync"));
+            at::Tensor x = input_of(world->rank(), numel, dtype, op).to(test::device());
+            comm::AllReduceOptions o;
+            o.op = op;
+            o.async = async;
+            auto work = group->all_reduce(x, o);
+            if (async)
+              while (!work->is_completed()) {
+              }
+            work->wait();
+            const at::Tensor want = expected(n, numel, dtype, op);
+            const double tol = dtype == at::kFloat ? 2e-6 : 1e-13;
+            const at::Tensor got = x.cpu().to(at::kDouble);
+            if (op == ReduceOp::kMax || op == ReduceOp::kMin) {
+              EXPECT_TRUE(got.equal(want));
+            } else {
+              // Relative to the largest value: sums of signed terms come near zero.
+              const double err = ((got - want).abs().max() / want.abs().max()).item<double>();
+              EXPECT_LE(err, tol);
+            }
+            // Every rank alike, bit for bit.
+            at::Tensor first = x.clone();
+            world->broadcast(first);
+            EXPECT_TRUE(first.equal(x)) << "rank " << world->rank() << " differs from rank 0";
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tessera
