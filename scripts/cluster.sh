@@ -4,6 +4,7 @@
 #   cluster.sh up [--name N] [--hosts H] [--ranks R] [--rate RATE] [--delay MS] [--loss PCT] [--slurm]
 #   cluster.sh run [--name N] [--host I] -- COMMAND...
 #   cluster.sh shape [--name N] --host I [--rate RATE] [--delay MS] [--loss PCT]
+#   cluster.sh link [--name N] --host I down|up
 #   cluster.sh down [--name N]
 #   cluster.sh status [--name N]
 #
@@ -51,6 +52,7 @@ delay=""
 loss=""
 host=0
 slurm=0
+state_arg=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
   --name) name="$2"; shift 2 ;;
@@ -61,6 +63,7 @@ while [[ $# -gt 0 ]]; do
   --loss) loss="$2"; shift 2 ;;
   --host) host="$2"; shift 2 ;;
   --slurm) slurm=1; shift ;;
+  down | up) state_arg="$1"; shift ;;
   --) shift; break ;;
   *) die "unknown option '$1' for '$cmd' (see the head of scripts/cluster.sh)" ;;
   esac
@@ -281,6 +284,16 @@ shape() {
   echo "cluster $name: host $host's link now $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}"
 }
 
+# Takes host I's link down (its eth0: nothing in or out) or back up.
+link() {
+  check_root
+  [[ -e "$state" ]] || die "no cluster named '$name' is up"
+  [[ "$state_arg" == down || "$state_arg" == up ]] || die "link needs 'down' or 'up'"
+  [[ -e "/run/netns/$(host_ns "$host")" ]] || die "--host $host: cluster '$name' has no such host"
+  ip -n "$(host_ns "$host")" link set eth0 "$state_arg"
+  echo "cluster $name: host $host's link $state_arg"
+}
+
 run() {
   [[ -e "$state" ]] || die "no cluster named '$name' is up ('cluster.sh up --name $name' first)"
   [[ $# -gt 0 ]] || die "run needs a command after --"
@@ -321,7 +334,8 @@ case "$cmd" in
 up) up ;;
 run) run "$@" ;;
 shape) shape ;;
+link) link ;;
 down) down ;;
 status) status ;;
-*) die "unknown command '$cmd': up, run, shape, down or status" ;;
+*) die "unknown command '$cmd': up, run, shape, link, down or status" ;;
 esac
