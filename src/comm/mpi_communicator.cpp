@@ -11,6 +11,7 @@
 #include <mpi-ext.h>
 #endif
 
+#include <unistd.h>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -206,6 +207,37 @@ bool MpiOptions::synchronous_sends_from_env() {
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
 
+namespace {
+
+// Collective over comm: each member's host name (gethostname), by world rank;
+// ranks outside comm stay "".
+std::vector<std::string> host_names_by_world_rank(MPI_Comm comm) {
+  constexpr int kLen = 64;
+  char mine[kLen] = {0};
+  ::gethostname(mine, kLen - 1);
+  int size = 0, world_size = 0;
+  TESSERA_MPI_CHECK(MPI_Comm_size(comm, &size));
+  TESSERA_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  std::vector<char> all(static_cast<size_t>(size) * kLen);
+  TESSERA_MPI_CHECK(MPI_Allgather(mine, kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, comm));
+  MPI_Group group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+  TESSERA_MPI_CHECK(MPI_Comm_group(comm, &group));
+  TESSERA_MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  std::vector<int> ranks(static_cast<size_t>(size)), world(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[static_cast<size_t>(r)] = r;
+  TESSERA_MPI_CHECK(MPI_Group_translate_ranks(group, size, ranks.data(), world_group, world.data()));
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  std::vector<std::string> out(static_cast<size_t>(world_size));
+  for (int r = 0; r < size; ++r) {
+    const int w = world[static_cast<size_t>(r)];
+    if (w >= 0 && w < world_size) out[static_cast<size_t>(w)] = std::string(&all[static_cast<size_t>(r) * kLen]);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const std::string& name,
                                                          const MpiOptions& options) {
   int initialized = 0;
@@ -215,7 +247,10 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const st
   MPI_Comm dup = MPI_COMM_NULL;
   TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   MpiOptions resolved = options;
-  if (!resolved.abort) resolved.abort = detail::AbortState::create(resolved.flight_recorder);
+  if (!resolved.abort) {
+    resolved.abort = detail::AbortState::create(resolved.flight_recorder);
+    resolved.abort->set_hosts(host_names_by_world_rank(dup));
+  }
   return std::shared_ptr<MpiCommunicator>(
       new MpiCommunicator(dup, name, std::make_shared<MpiTypes>(), std::move(resolved), /*with_control=*/true));
 }

@@ -40,11 +40,16 @@ std::string peer_list(const OpInfo& op) {
   auto world = [&](int r) {
     return r >= 0 && r < static_cast<int>(c.world_ranks.size()) ? c.world_ranks[static_cast<size_t>(r)] : -1;
   };
+  auto describe_peer = [&](int r) {
+    const std::string host = c.abort ? c.abort->host_of(world(r)) : "";
+    return host.empty() ? fmt::format("{} (world {})", r, world(r))
+                        : fmt::format("{} (world {} on {})", r, world(r), host);
+  };
   if (op.peers.empty()) {
     for (int r = 0; r < c.size; ++r)
-      if (r != c.rank) parts.push_back(fmt::format("{} (world {})", r, world(r)));
+      if (r != c.rank) parts.push_back(describe_peer(r));
   } else {
-    for (int r : op.peers) parts.push_back(fmt::format("{} (world {})", r, world(r)));
+    for (int r : op.peers) parts.push_back(describe_peer(r));
   }
   std::string out;
   for (const auto& part : parts) out += (out.empty() ? "" : ", ") + part;
@@ -66,6 +71,16 @@ void AbortState::abort(const std::string& reason) {
   if (aborted_.load(std::memory_order_relaxed)) return;
   reason_ = reason;
   aborted_.store(true, std::memory_order_release);
+}
+
+void AbortState::set_hosts(std::vector<std::string> by_world_rank) {
+  std::vector<std::string> distinct = by_world_rank;
+  std::sort(distinct.begin(), distinct.end());
+  if (std::unique(distinct.begin(), distinct.end()) - distinct.begin() > 1) hosts_ = std::move(by_world_rank);
+}
+
+std::string AbortState::host_of(int world_rank) const {
+  return world_rank >= 0 && world_rank < static_cast<int>(hosts_.size()) ? hosts_[static_cast<size_t>(world_rank)] : "";
 }
 
 std::string AbortState::reason() const {

@@ -39,10 +39,15 @@ class AbortState {
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
   // Null without TESSERA_FAULT.
   const std::shared_ptr<FaultInjector>& faults() const { return faults_; }
+  // Each world rank's host name, when the family's ranks span several hosts
+  // (empty otherwise): timeout messages name the host of each peer.
+  void set_hosts(std::vector<std::string> by_world_rank);
+  std::string host_of(int world_rank) const;
 
  private:
   std::shared_ptr<FlightRecorder> recorder_;
   std::shared_ptr<FaultInjector> faults_;
+  std::vector<std::string> hosts_;  // set once, at the family's creation
   std::atomic<bool> aborted_{false};
   mutable std::mutex mutex_;
   std::string reason_;
