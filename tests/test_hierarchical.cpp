@@ -7,6 +7,7 @@
 #include "test_util.h"
 
 #include "tessera/comm/hierarchical_communicator.h"
+#include "tessera/comm/tracing_communicator.h"
 #include "tessera/core/dtype.h"
 
 #include <fmt/format.h>
@@ -86,7 +87,8 @@ TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
     for (c10::ScalarType dtype : {at::kFloat, at::kDouble}) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProduct}) {
         // Flat (under kMinElements), padded to the group's size, and dividing.
-        for (int64_t numel : {int64_t{1000}, big + 5, 4 * big}) {
+        for (int64_t numel : {int64_t{1000}, big + 5, 2 * big}) {
+          const at::Tensor want = expected(n, numel, dtype, op);
           for (bool async : {false, true}) {
             SCOPED_TRACE(fmt::format("{}, {}, {}, {} elements, {}", layout.name, dtype_name(dtype),
                                      comm::reduce_op_name(op), numel, async ? "async" : "sync"));
@@ -99,7 +101,6 @@ TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
               while (!work->is_completed()) {
               }
             work->wait();
-            const at::Tensor want = expected(n, numel, dtype, op);
             const double tol = dtype == at::kFloat ? 2e-6 : 1e-13;
             const at::Tensor got = x.cpu().to(at::kDouble);
             if (op == ReduceOp::kMax || op == ReduceOp::kMin) {
@@ -116,6 +117,43 @@ TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
           }
         }
       }
+    }
+  }
+}
+
+// The bytes on each class of link equal the formula of Note [Reductions
+// inside a host first]: for n floats padded to a multiple of L·H (L ranks
+// per host, H hosts), each rank puts (L-1)/L of the padded tensor on the
+// host's links in the reduce-scatter and again in the all-gather, and sends
+// 2(H-1) pieces of n/(L·H) across hosts; a flat all-reduce crosses nothing
+// of its own.
+TEST(Hierarchical, BytesPerLinkClassEqualTheFormula) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  auto trace = std::make_shared<comm::CommTrace>();
+  auto traced = std::make_shared<comm::TracingCommunicator>(world, trace);
+  for (int per_host : {2, n / 2}) {
+    if (per_host < 2 || n % per_host != 0 || n / per_host < 2) continue;
+    const int hosts = n / per_host;
+    SCOPED_TRACE(fmt::format("{} hosts of {}", hosts, per_host));
+    auto group = HierarchicalCommunicator::wrap(traced, world->rank() / per_host);
+    for (int64_t numel : {HierarchicalCommunicator::kMinElements + 5, int64_t{1} << 16}) {
+      trace->reset();
+      at::Tensor x = at::ones({numel}, at::kFloat).to(test::device());
+      group->all_reduce(x);
+      EXPECT_TRUE(x.cpu().equal(at::full({numel}, static_cast<float>(n)))) << numel;
+      const int64_t piece = (numel + n - 1) / n;  // of the padded tensor, per rank across hosts
+      const int64_t padded = piece * n;
+      const auto rs = trace->get("world.host", comm::OpType::kReduceScatter);
+      const auto ag = trace->get("world.host", comm::OpType::kAllGather);
+      EXPECT_EQ(rs.bytes, padded * 4) << "reduce-scatter input inside the host";
+      EXPECT_EQ(ag.bytes, padded * 4) << "all-gather output inside the host";
+      EXPECT_DOUBLE_EQ(rs.bus_bytes + ag.bus_bytes, 2.0 * (per_host - 1) / per_host * padded * 4);
+      const auto sent = trace->get("world.cross", comm::OpType::kSend);
+      EXPECT_EQ(sent.calls, 2 * (hosts - 1));
+      EXPECT_EQ(sent.bytes, 2 * (hosts - 1) * piece * 4) << "bytes sent across hosts";
+      EXPECT_EQ(trace->get("world", comm::OpType::kAllReduce).calls, 0) << "nothing flat";
     }
   }
 }
