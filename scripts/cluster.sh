@@ -278,7 +278,7 @@ EOF
 shape() {
   check_root
   [[ -e "$state" ]] || die "no cluster named '$name' is up"
-  ip netns list | grep -q "^$(host_ns "$host")\b" || die "--host $host: cluster '$name' has no such host"
+  [[ -e "/run/netns/$(host_ns "$host")" ]] || die "--host $host: cluster '$name' has no such host"
   shape_dev "$(host_ns "$host")" eth0
   shape_dev "$switch" "h$host"
   echo "cluster $name: host $host's link now $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}"
@@ -297,15 +297,11 @@ link() {
 run() {
   [[ -e "$state" ]] || die "no cluster named '$name' is up ('cluster.sh up --name $name' first)"
   [[ $# -gt 0 ]] || die "run needs a command after --"
-  local ns
-  ns=$(host_ns "$host")
-  [[ -e "/run/netns/$ns" ]] || die "--host $host: cluster '$name' has no such host"
+  [[ -e "/run/netns/$(host_ns "$host")" ]] || die "--host $host: cluster '$name' has no such host"
   [[ ! -e "$state/slurm.conf" ]] || export SLURM_CONF="$state/slurm.conf"
-  OMPI_MCA_plm_rsh_agent="$state/agent" \
-    OMPI_MCA_orte_default_hostfile="$state/hostfile" \
-    OMPI_MCA_btl_tcp_if_include=eth0 \
-    OMPI_MCA_oob_tcp_if_include=eth0 \
-    exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$ns" "$@"
+  export OMPI_MCA_plm_rsh_agent="$state/agent" OMPI_MCA_orte_default_hostfile="$state/hostfile" \
+    OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0
+  in_host "$host" "$@"
 }
 
 down() {

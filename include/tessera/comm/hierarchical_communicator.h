@@ -4,20 +4,20 @@
 //
 // Note [Reductions inside a host first]
 // A flat all-reduce of n bytes over a group of H hosts with L ranks each
-// lets the library's algorithm choose which pairs talk: Open MPI's
-// non-blocking one (the polled path of Note [Timeouts]) picks recursive
-// doubling for in-place reductions, where every rank sends all n bytes in
-// each round and, in the rounds that pair hosts, all L ranks of a host send
-// across at once: L·n bytes per host link and round. Here instead:
+// leaves the pairs that talk to Open MPI's algorithm: its non-blocking one
+// (the polled path of Note [Timeouts]) takes a binomial tree for in-place
+// reductions, reducing towards one rank and broadcasting back, so whole
+// tensors cross the slow links, one direction at a time. Here instead:
 //   1. reduce-scatter inside the host: each rank holds n/L reduced over its host;
-//   2. reduce-scatter, then 3. all-gather, across hosts of those n/L among
-//      the ranks with the same local index (one rank per host): each sends
-//      (H-1)/H · n/L in each, so 2(H-1)/H · n bytes leave each host in all
-//      (the ring's optimum), both directions of a link busy at once;
-//   4. all-gather inside the host.
-// Steps 1 and 4 use the links inside a host (shared memory), 2 and 3 the
+//   2. a ring across hosts among the ranks with the same local index (one
+//      rank per host; Note [A ring across hosts]): its reduce-scatter and
+//      all-gather halves each send (H-1)/H · n/L per rank, so 2(H-1)/H · n
+//      bytes leave each host in all (the ring's optimum), both directions
+//      of a link busy at once;
+//   3. all-gather inside the host.
+// Steps 1 and 3 use the links inside a host (shared memory), step 2 the
 // slow ones. Tensors under kMinElements stay flat: their time is latency,
-// which three steps would triple. The averaged reduction averages inside a
+// which more steps would multiply. The averaged reduction averages inside a
 // host, then across hosts: the mean of equal-sized means. Every other
 // operation, and splits, go to the inner communicator unchanged.
 #include "tessera/comm/communicator.h"
