@@ -11,11 +11,13 @@
 #include "tessera/parallel/flat_bucket.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
+#include "tessera/parallel/spec_on_hosts.h"
 
 #include <gtest/gtest.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <iostream>
@@ -327,6 +329,9 @@ const Case kCases[] = {
     {"{P(2),S,S}", Net::kConv},
     {"{R,P(2),S}", Net::kConv},
     {"mics:2", Net::kConv},
+    // k = the data ranks on each host (on one host, the whole group).
+    {"hpz", Net::kMLP},
+    {"mics", Net::kConv},
     // Three levels at dp 8 (1 < 2 < 4 < 8).
     {"{P(2),P(4),S}", Net::kMLP},
     {"{P(2),P(4),S}", Net::kConv},
@@ -550,6 +555,12 @@ TEST(ShardingSpec, PresetsParseAndPrint) {
   EXPECT_EQ(ShardingSpec::parse("hsdp:4").to_string(), "{P(4),P(4),P(4)}");
   EXPECT_EQ(ShardingSpec::parse("hpz:2").to_string(), "{P(2),S,S}");
   EXPECT_EQ(ShardingSpec::parse(" { r , p2 , s } ").to_string(), "{R,P(2),S}");
+  EXPECT_EQ(ShardingSpec::parse("hpz").to_string(), "{P(host),S,S}");
+  EXPECT_EQ(ShardingSpec::parse("mics").to_string(), "{P(host),P(host),P(host)}");
+  EXPECT_EQ(ShardingSpec::parse("hsdp:host").to_string(), "{P(host),P(host),P(host)}");
+  EXPECT_EQ(ShardingSpec::parse("{R,P(host),S}").on_hosts(4).to_string(), "{R,P(4),S}");
+  EXPECT_TRUE(ShardingSpec::parse("hpz").per_host());
+  EXPECT_FALSE(ShardingSpec::parse("hpz").on_hosts(2).per_host());
   const auto d = ShardingSpec::parse("{P(2),P(4),S}").resolve(8);
   EXPECT_EQ(d.params, 2);
   EXPECT_EQ(d.grads, 4);
@@ -565,7 +576,42 @@ TEST(ShardingSpec, BrokenRulesNameTheValues) {
   EXPECT_ERROR_CONTAINS(ShardingSpec::parse("{P(2),P(3),S}").resolve(6), "must each divide the next");
   EXPECT_ERROR_CONTAINS(ShardingSpec::parse("zero4"), "cannot read 'zero4'", "zero3");
   EXPECT_ERROR_CONTAINS(ShardingSpec::parse("{R,Q,S}"), "unknown placement 'q'");
-  EXPECT_ERROR_CONTAINS(ShardingSpec::parse("mics:0"), "PartialShard(k) needs k >= 1, got k = 0");
+  EXPECT_ERROR_CONTAINS(ShardingSpec::parse("mics:0"), "PartialShard(k) needs k >= 1 (or P(host)), got k = 0");
+  EXPECT_ERROR_CONTAINS(ShardingSpec::parse("hpz").resolve(4), "{P(host),S,S}", "shards inside a host",
+                        "ShardingSpec::on_hosts");
+  EXPECT_ERROR_CONTAINS(ShardingSpec::parse("hpz").on_hosts(0), "ranks per host must be >= 1, got 0");
+}
+
+// P(host) over hand-written hosts: ranks filled host by host give k = the
+// ranks of a host; hosts interleaved or uneven are refused with the hosts.
+TEST(ShardingSpec, PerHostTakesTheRanksOfEachHost) {
+  const ShardingSpec hpz = ShardingSpec::parse("hpz");
+  context::HostMap two_by_two{{0, 0, 1, 1}, {"a", "b"}};
+  EXPECT_EQ(parallel::spec_on_hosts(hpz, two_by_two, "data").to_string(), "{P(2),S,S}");
+  context::HostMap one{{0, 0, 0, 0}, {"a"}};
+  EXPECT_EQ(parallel::spec_on_hosts(ShardingSpec::parse("mics"), one, "data").to_string(), "{P(4),P(4),P(4)}");
+  EXPECT_EQ(parallel::spec_on_hosts(ShardingSpec::zero2(), two_by_two, "data"), ShardingSpec::zero2());
+  context::HostMap interleaved{{0, 1, 0, 1}, {"a", "b"}};
+  EXPECT_ERROR_CONTAINS(parallel::spec_on_hosts(hpz, interleaved, "data"), "rank 1 is not on the host of its block",
+                        "2 hosts: a ranks 0,2, b ranks 1,3", "launch ranks host by host");
+  context::HostMap uneven{{0, 0, 0, 1}, {"a", "b"}};
+  EXPECT_ERROR_CONTAINS(parallel::spec_on_hosts(hpz, uneven, "data"), "spread unevenly",
+                        "2 hosts: a ranks 0-2, b ranks 3");
+}
+
+// ShardedModule resolves P(host) over the hosts its group spans: k is the
+// number of ranks whose host name is this rank's (on one host, the group).
+TEST(ShardingSpec, ShardedModuleShardsInsideEachHost) {
+  auto ctx = data_context();
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  int on_my_host = 0;
+  for (const std::string& host : comm::all_gather_strings(*test::world(), name)) on_my_host += host == name;
+  auto sharded = std::make_shared<ShardedModule>(make_net(Net::kMLP), ctx,
+                                                 ShardedModuleOptions().spec(ShardingSpec::parse("hpz")));
+  EXPECT_EQ(sharded->degrees().params, on_my_host);
+  EXPECT_EQ(sharded->degrees().grads, test::world()->size());
+  EXPECT_EQ(sharded->degrees().optim, test::world()->size());
 }
 
 TEST(ShardedModuleErrors, EveryRankRejectsABadSpecOrOptimizer) {

@@ -3,6 +3,7 @@
 #include "tessera/core/error.h"
 #include "tessera/parallel/flat_bucket.h"
 #include "tessera/parallel/module_layout.h"
+#include "tessera/parallel/spec_on_hosts.h"
 #include "tessera/parallel/unit_host.h"
 
 #include "shard_state.h"
@@ -81,6 +82,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   const context::ParallelMode tokens = ctx_->grid().token_mode();
   const bool sequence = !options_.group() && tokens == context::ParallelMode::kDataSequence;
   group_ = options_.group() ? options_.group() : ctx_->comm(tokens);
+  options_.spec(spec_on_hosts(options_.spec(), *group_));  // P(host): the group's ranks per host
   const comm::CommunicatorPtr covered = sequence ? ctx_->comm(context::ParallelMode::kSequence) : nullptr;
   const int replicas = group_->size() / (covered ? covered->size() : 1);
   TORCH_CHECK(options_.bucket_bytes() > 0, "ShardedModule: bucket_bytes must be positive, got ",

@@ -30,7 +30,7 @@ int parse_positive(const std::string& digits, const std::string& context) {
 }  // namespace
 
 Placement Placement::partial_shard(int k) {
-  TORCH_CHECK(k >= 1, "PartialShard(k) needs k >= 1, got k = ", k);
+  TORCH_CHECK(k >= 1 || k == kPerHost, "PartialShard(k) needs k >= 1 (or P(host)), got k = ", k);
   return Placement(Kind::kPartialShard, k);
 }
 
@@ -41,7 +41,7 @@ std::string Placement::to_string() const {
     case Kind::kShard:
       return "S";
     case Kind::kPartialShard:
-      return "P(" + std::to_string(k_) + ")";
+      return k_ == kPerHost ? "P(host)" : "P(" + std::to_string(k_) + ")";
   }
   return "?";
 }
@@ -54,6 +54,7 @@ Placement Placement::parse(const std::string& text) {
     std::string digits = t.substr(1);
     if (digits.size() >= 2 && digits.front() == '(' && digits.back() == ')')
       digits = digits.substr(1, digits.size() - 2);
+    if (digits == "host") return partial_shard(kPerHost);
     return partial_shard(parse_positive(digits, text));
   }
   TORCH_CHECK(false, "sharding: unknown placement '", text, "'; use R (replicate), S (shard) or P(k) (partial shard)");
@@ -74,10 +75,13 @@ ShardingSpec ShardingSpec::parse(const std::string& text) {
   if (t == "zero1") return zero1();
   if (t == "zero2") return zero2();
   if (t == "zero3" || t == "fsdp") return zero3();
+  if (t == "mics" || t == "hsdp") return mics(Placement::kPerHost);
+  if (t == "hpz") return hpz(Placement::kPerHost);
   const auto colon = t.find(':');
   if (colon != std::string::npos) {
     const std::string name = t.substr(0, colon);
-    const int k = parse_positive(t.substr(colon + 1), text);
+    const std::string after = t.substr(colon + 1);
+    const int k = after == "host" ? Placement::kPerHost : parse_positive(after, text);
     if (name == "mics" || name == "hsdp") return mics(k);
     if (name == "hpz") return hpz(k);
   }
@@ -95,13 +99,26 @@ ShardingSpec ShardingSpec::parse(const std::string& text) {
     }
   }
   TORCH_CHECK(parts.size() == 3, "sharding: cannot read '", text,
-              "'; use a preset (ddp, zero1, zero2, zero3, fsdp, mics:k, hsdp:k, hpz:k) or three placements such as "
-              "{R,S,S} or {P(2),S,S} for parameters, gradients and optimizer states");
+              "'; use a preset (ddp, zero1, zero2, zero3, fsdp, mics[:k], hsdp[:k], hpz[:k]) or three placements such "
+              "as {R,S,S}, {P(2),S,S} or {P(host),S,S} for parameters, gradients and optimizer states");
   return {Placement::parse(parts[0]), Placement::parse(parts[1]), Placement::parse(parts[2])};
+}
+
+ShardingSpec ShardingSpec::on_hosts(int ranks_per_host) const {
+  TORCH_CHECK(ranks_per_host >= 1, "sharding spec ", to_string(), ": the ranks per host must be >= 1, got ",
+              ranks_per_host);
+  ShardingSpec out = *this;
+  for (Placement* p : {&out.params, &out.grads, &out.optim_states})
+    if (p->per_host()) *p = Placement::partial_shard(ranks_per_host);
+  return out;
 }
 
 ShardDegrees ShardingSpec::resolve(int dp) const {
   TORCH_CHECK(dp >= 1, "sharding: the data-parallel size must be >= 1, got ", dp);
+  TORCH_CHECK(!per_host(), "sharding spec ", to_string(),
+              " shards inside a host, and the data group's ranks per host are not known here; ShardedModule and "
+              "train_gpt find them from the hosts the group spans, elsewhere call ShardingSpec::on_hosts(ranks per "
+              "host) first");
   const ShardDegrees d{params.degree(dp), grads.degree(dp), optim_states.degree(dp)};
   const std::pair<const char*, const Placement*> states[] = {
       {"parameters", &params}, {"gradients", &grads}, {"optimizer states", &optim_states}};

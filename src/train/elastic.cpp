@@ -78,7 +78,8 @@ class KeepDefaultGenerator {
 
 // Note [Sharding spec per data size]
 parallel::Placement fitted(const parallel::Placement& p, int data) {
-  if (p.kind() != parallel::Placement::Kind::kPartialShard) return p;
+  // P(host) stays: ShardedModule finds the hosts of each layout's group.
+  if (p.kind() != parallel::Placement::Kind::kPartialShard || p.per_host()) return p;
   const int k = std::gcd(p.k(), data);
   return k == 1 ? parallel::Placement::replicate() : parallel::Placement::partial_shard(k);
 }

@@ -38,8 +38,10 @@ void grid_options(cli::Command& c, RunOptions& r) {
   c.group("Layout");
   context::add_grid_options(c, r.grid());
   c.add("sequence-parallel", &r.sequence_parallel(), "Megatron's sequence-parallel variant of the 1D layers");
-  c.add("spec", &r.spec(), "sharding spec: ddp, zero1, zero2, zero3, fsdp, mics:k, hpz:k, or {P,G,O}", "SPEC",
-        parallel::ShardingSpec::parse, [](const parallel::ShardingSpec& s) { return s.to_string(); });
+  c.add("spec", &r.spec(),
+        "sharding spec: ddp, zero1, zero2, zero3, fsdp, mics[:k], hpz[:k] (k omitted: the data ranks of a host), or "
+        "{P,G,O}",
+        "SPEC", parallel::ShardingSpec::parse, [](const parallel::ShardingSpec& s) { return s.to_string(); });
   c.add("schedule", &r.schedule(), "pipeline schedule", "gpipe|1f1b|interleaved|zb-h1|zb-h2",
         parallel::parse_schedule_kind, [](parallel::ScheduleKind k) { return parallel::to_string(k); });
   c.add("microbatches", &r.microbatches(), "pipeline micro-batches per step");
@@ -345,10 +347,9 @@ void RunOptions::check(int world_size) const {
   TORCH_CHECK(!elastic(), "--plan with --batch-schedule: the planner plans one fixed layout; drop one of them");
   TORCH_CHECK(!sequence_parallel(), "--plan with --sequence-parallel: the planner does not model Megatron's "
               "sequence-parallel variant yet; drop one of them");
-  TORCH_CHECK(resume().empty() || plan() == PlanMode::kFlags, "--plan auto with --resume: the plan could differ "
+  TORCH_CHECK(resume().empty() || plan() == PlanMode::kFlags,
+              "--plan auto with --resume: the plan could differ "
               "from the checkpoint's layout; give the layout flags and --plan flags");
-  TORCH_CHECK(!comm_bench().empty() || !cluster().empty(), "--plan needs the collectives' rates: --comm-bench FILE "
-              "(mpirun -np ", world_size, " comm_bench --json > FILE, on these ranks) or --cluster PRESET|FILE.json");
   TORCH_CHECK(overlap() >= 0 && overlap() <= 1, "--overlap is a fraction in [0, 1], got ", overlap());
   if (plan() == PlanMode::kAuto)
     for (const auto& k : planned_options())
