@@ -9,7 +9,11 @@
 #    parallelism, resume bit for bit) with their ranks on two hosts;
 #  - train_gpt's header names both hosts and their ranks, and its losses and
 #    gradient norms over 3 steps equal, bit for bit, those of the same run
-#    with the 4 ranks on this machine's own host.
+#    with the 4 ranks on this machine's own host;
+#  - (mpirun) the bytes that cross hosts in a step of ddp, zero3 and hpz
+#    equal the planner's prediction (test_planner), hpz and mics take k =
+#    the ranks of a host and equal the serial run (test_data_parallel), and
+#    train_gpt --plan auto plans the two hosts as nodes and trains.
 # Needs root (network namespaces); without it, or without Slurm for srun, it
 # reports a skip (exit 77) with the reason.
 set -uo pipefail
@@ -77,5 +81,30 @@ if [ "$(losses "$out/cluster.jsonl")" != "$(losses "$out/one_host.jsonl")" ]; th
   fail "losses across the hosts differ from one host's: $(losses "$out/cluster.jsonl" | tr '\n' ' ') against $(losses "$out/one_host.jsonl" | tr '\n' ' ')"
 fi
 
-echo "cluster ($launcher): $hosts; test_train's 3 trainer tests passed across them; train_gpt's losses and gradient norms over 3 steps equal one host's bit for bit: $(losses "$out/cluster.jsonl" | tr '\n' ' ')"
+summary="cluster ($launcher): $hosts; test_train's 3 trainer tests passed across them; train_gpt's losses and gradient norms over 3 steps equal one host's bit for bit: $(losses "$out/cluster.jsonl" | tr '\n' ' ')"
+
+if [ "$launcher" = mpirun ]; then
+  bin=$(dirname "$test_train")
+  on_cluster "$bin/test_planner" --gtest_color=no --gtest_filter=Planner.BytesAcrossHostsEqualThePrediction \
+    > "$out/test_planner.log" 2>&1 || {
+    tail -40 "$out/test_planner.log"
+    fail "the bytes across hosts differ from the planner's prediction (log above)"
+  }
+  grep -q "\[  PASSED  \] 1 test" "$out/test_planner.log" || fail "test_planner's test did not pass across the hosts"
+  crossing=$(grep -E "^(ddp|zero3|hpz): " "$out/test_planner.log" | tr '\n' ';')
+  filter='Specs/DataParallelSpecs.TenAdamWStepsEqualSingleProcess/hpz_mlp:Specs/DataParallelSpecs.*/mics_conv'
+  filter+=':ShardingSpec.ShardedModuleShardsInsideEachHost'
+  on_cluster "$bin/test_data_parallel" --gtest_color=no --gtest_filter="$filter" > "$out/test_data_parallel.log" 2>&1 || {
+    tail -40 "$out/test_data_parallel.log"
+    fail "hpz and mics with k = the ranks of a host failed across the hosts (log above)"
+  }
+  grep -q "\[  PASSED  \] 6 tests" "$out/test_data_parallel.log" ||
+    fail "test_data_parallel did not pass its 6 tests across the hosts: $(grep -E 'PASSED|FAILED|SKIPPED' "$out/test_data_parallel.log" | head -5)"
+  on_cluster "$train_gpt" "${args[@]}" --steps 2 --plan auto > "$out/plan.log" 2>&1 ||
+    fail "train_gpt --plan auto across the hosts failed: $(tail -5 "$out/plan.log")"
+  nodes=$(grep -m1 -o "2 hosts of 2 ranks as nodes[^;]*" "$out/plan.log") ||
+    fail "train_gpt --plan auto did not plan the hosts as nodes: $(grep -m3 planner "$out/plan.log")"
+  summary+="; bytes across hosts as predicted: $crossing hpz and mics take k = 2 and equal serial; --plan auto: $nodes"
+fi
+echo "$summary"
 [ $failures -eq 0 ] || exit 1

@@ -180,61 +180,114 @@ std::vector<Case> cases() {
   return out;
 }
 
+// The ranks per host when the world spans several hosts filled host by
+// host (the planner's nodes), else the world.
+int ranks_per_node(comm::Communicator& world) {
+  const context::HostMap hosts = context::map_hosts(world);
+  return world.size() / hosts.hosts();
+}
+
+// Whether case `c` fits a world of n ranks.
+bool fits(const Case& c, int n) {
+  ParallelConfig resolved;
+  try {
+    resolved = context::resolve(c.grid, n);
+  } catch (const c10::Error&) {
+    return false;  // the grid does not fit this world
+  }
+  if (resolved.data() == 1 && c.name.rfind("dp_", 0) == 0 && c.spec != "ddp") return false;
+  if (resolved.expert() > 1 && resolved.data() % resolved.expert() != 0) return false;
+  if (c.spec.find('2') != std::string::npos && resolved.data() % 2 != 0) return false;
+  return true;
+}
+
+// One case's traced bytes per group and collective against the prediction
+// for this rank, placed on the hosts the world spans and routed as the
+// data group's reductions are (Note [Reductions across nodes in the plan]);
+// the local parameters and model states against the planner's. Returns the
+// bytes on groups that span hosts, traced and predicted.
+std::pair<double, double> check_case(const Case& c, const comm::CommunicatorPtr& world, int per_node) {
+  const int n = world->size();
+  const Measured m = run_case(c, world);
+  const planner::Plan plan = planner::on_nodes(plan_of(c, n), per_node);
+  const planner::ModelDesc model = planner::ModelDesc::gpt(gpt_config(c), 16);
+  planner::Traffic predicted = planner::predict_traffic(model, plan, world->rank());
+  planner::place(predicted, plan, per_node, world->rank());
+  if (context::host_reductions_from_env()) planner::route_through_hosts(predicted, plan);
+  std::map<std::pair<std::string, OpType>, double> want;
+  std::map<std::string, bool> across;  // group -> spans hosts
+  for (const auto& item : predicted.items()) {
+    want[{item.group, item.op}] += item.bytes;
+    across[item.group] = item.nodes > 1;
+  }
+  std::string report;
+  bool bad = false;
+  std::pair<double, double> crossing{0, 0};
+  for (const auto& [key, bytes] : m.bytes) {
+    const double p = want.count(key) ? want.at(key) : 0.0;
+    const bool ok = std::abs(p - bytes) <= 0.05 * bytes;
+    bad = bad || !ok;
+    if (across[key.first]) crossing.first += bytes;
+    report += fmt::format("  {} {:<24} {:<15} traced {:>10.0f} predicted {:>10.0f}\n", ok ? " " : "X", key.first,
+                          comm::op_type_name(key.second), bytes, p);
+  }
+  for (const auto& [key, bytes] : want) {
+    if (across[key.first]) crossing.second += bytes;
+    if (m.bytes.count(key) || bytes == 0) continue;
+    bad = true;
+    report += fmt::format("  X {:<24} {:<15} traced {:>10} predicted {:>10.0f}\n", key.first,
+                          comm::op_type_name(key.second), 0, bytes);
+  }
+  const planner::LocalParams lp = planner::local_params(
+      model, plan, context::RankGrid(plan.grid, n).coordinate(context::Dim::kPipeline, world->rank()));
+  const double numel = lp.dense + lp.expert;
+  const bool numel_ok = std::abs(numel - m.local_numel) <= 0.01 * m.local_numel;
+  if (!numel_ok) report += fmt::format("  X local params {} predicted {:.0f}\n", m.local_numel, numel);
+  const planner::MemoryEstimate mem = planner::predict_memory(model, plan, world->rank());
+  auto close = [](double predicted, int64_t measured) {
+    return std::abs(predicted - measured) <= 0.05 * std::max<int64_t>(measured, 1);
+  };
+  EXPECT_TRUE(close(mem.params, m.memory.params) && close(mem.grads, m.memory.grads) &&
+              close(mem.optim, m.memory.optim))
+      << c.name << " rank " << world->rank() << ": model states measured params " << m.memory.params << " grads "
+      << m.memory.grads << " optimizer " << m.memory.optim << ", predicted " << mem.params << " " << mem.grads << " "
+      << mem.optim;
+  EXPECT_FALSE(bad || !numel_ok) << c.name << " (" << plan.to_string() << ") rank " << world->rank() << ":\n" << report;
+  return crossing;
+}
+
 TEST(Planner, BytesAndModelStatesEqualTheMeasuredStep) {
   auto world = test::world();
-  const int n = world->size();
+  const int per_node = ranks_per_node(*world);
   int ran = 0;
   for (const Case& c : cases()) {
-    ParallelConfig resolved;
-    try {
-      resolved = context::resolve(c.grid, n);
-    } catch (const c10::Error&) {
-      continue;  // the grid does not fit this world
-    }
-    if (resolved.data() == 1 && c.name.rfind("dp_", 0) == 0 && c.spec != "ddp") continue;
-    if (resolved.expert() > 1 && resolved.data() % resolved.expert() != 0) continue;
-    if (c.spec.find('2') != std::string::npos && resolved.data() % 2 != 0) continue;
+    if (!fits(c, world->size())) continue;
     ++ran;
-    const Measured m = run_case(c, world);
-    const planner::Plan plan = plan_of(c, n);
-    const planner::ModelDesc model = planner::ModelDesc::gpt(gpt_config(c), 16);
-    const planner::Traffic predicted = planner::predict_traffic(model, plan, world->rank());
-    std::map<std::pair<std::string, OpType>, double> want;
-    for (const auto& item : predicted.items()) want[{item.group, item.op}] += item.bytes;
-    std::string report;
-    bool bad = false;
-    for (const auto& [key, bytes] : m.bytes) {
-      const double p = want.count(key) ? want.at(key) : 0.0;
-      const bool ok = std::abs(p - bytes) <= 0.05 * bytes;
-      bad = bad || !ok;
-      report += fmt::format("  {} {:<24} {:<15} traced {:>10.0f} predicted {:>10.0f}\n", ok ? " " : "X", key.first,
-                            comm::op_type_name(key.second), bytes, p);
-    }
-    for (const auto& [key, bytes] : want) {
-      if (m.bytes.count(key) || bytes == 0) continue;
-      bad = true;
-      report += fmt::format("  X {:<24} {:<15} traced {:>10} predicted {:>10.0f}\n", key.first,
-                            comm::op_type_name(key.second), 0, bytes);
-    }
-    const planner::LocalParams lp = planner::local_params(model, plan,
-                                                          context::RankGrid(plan.grid, n).coordinate(
-                                                              context::Dim::kPipeline, world->rank()));
-    const double numel = lp.dense + lp.expert;
-    const bool numel_ok = std::abs(numel - m.local_numel) <= 0.01 * m.local_numel;
-    if (!numel_ok) report += fmt::format("  X local params {} predicted {:.0f}\n", m.local_numel, numel);
-    const planner::MemoryEstimate mem = planner::predict_memory(model, plan, world->rank());
-    auto close = [](double predicted, int64_t measured) {
-      return std::abs(predicted - measured) <= 0.05 * std::max<int64_t>(measured, 1);
-    };
-    EXPECT_TRUE(close(mem.params, m.memory.params) && close(mem.grads, m.memory.grads) &&
-                close(mem.optim, m.memory.optim))
-        << c.name << " rank " << world->rank() << ": model states measured params " << m.memory.params << " grads "
-        << m.memory.grads << " optimizer " << m.memory.optim << ", predicted " << mem.params << " " << mem.grads << " "
-        << mem.optim;
-    EXPECT_FALSE(bad || !numel_ok) << c.name << " (" << plan.to_string() << ") rank " << world->rank() << ":\n"
-                                   << report;
+    check_case(c, world, per_node);
   }
   EXPECT_GT(ran, 0);
+}
+
+// The bytes that cross hosts in a step of DDP, ZeRO-3 and hpz with k = the
+// ranks per host, traced against the planner's prediction (on one host:
+// none; on the emulated cluster, tests/cluster_run.sh, the data group's
+// ring across hosts and ZeRO's collectives over the whole group).
+TEST(Planner, BytesAcrossHostsEqualThePrediction) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "one rank crosses nothing";
+  const int per_node = ranks_per_node(*world);
+  for (const char* spec : {"ddp", "zero3", "hpz"}) {
+    Case c{std::string("dp_") + spec, ParallelConfig(), spec};
+    c.batch = 8 * n;
+    const auto [traced, predicted] = check_case(c, world, per_node);
+    EXPECT_NEAR(traced, predicted, 1e-6 * predicted) << spec << " rank " << world->rank();
+    if (per_node == n) EXPECT_EQ(traced, 0) << spec << ": one host, nothing crosses";
+    if (per_node < n) EXPECT_GT(traced, 0) << spec << ": " << n / per_node << " hosts, and nothing crosses them";
+    if (world->rank() == 0)
+      fmt::print("{}: {} ranks, {} per host: {:.0f} bytes across hosts a step, predicted {:.0f}\n", spec, n, per_node,
+                 traced, predicted);
+  }
 }
 
 }  // namespace
@@ -271,37 +324,51 @@ TEST(Planner, StepTimeEqualsTheFormulaOnAHandWrittenCluster) {
     int nodes;         // the data group spans
     double moved;      // bytes the collectives move, over Ψ
     int optim_shards;  // s_os
+    bool flat = false;  // host_reductions off
   };
-  // What moves: ddp all-reduces every gradient (4Ψ bytes); zero3 gathers the
+  // What moves: ddp all-reduces every gradient (4Ψ bytes); across the two
+  // nodes, inside each node first: a reduce-scatter (4Ψ in) and an
+  // all-gather (4Ψ out) on the node's 4 ranks, and a ring across the nodes
+  // of 2 sends and 2 receives of Ψ/8 elements (2Ψ bytes); zero3 gathers the
   // parameters twice (forward, backward: 8Ψ traced, the gathered size) and
   // reduce-scatters the gradients (4Ψ); mics:2 does that inside shard groups
   // of 2 and all-reduces its half of the gradients over the replicas (2Ψ).
-  for (const Case& k : {Case{4, "ddp", 1, 4, 1}, Case{8, "ddp", 2, 4, 1}, Case{8, "zero3", 2, 12, 8},
-                        Case{8, "mics:2", 2, 14, 2}}) {
-    SCOPED_TRACE(std::string(k.spec) + " dp" + std::to_string(k.dp));
+  for (const Case& k : {Case{4, "ddp", 1, 4, 1}, Case{8, "ddp", 2, 10, 1}, Case{8, "ddp", 2, 4, 1, true},
+                        Case{8, "zero3", 2, 12, 8}, Case{8, "mics:2", 2, 14, 2}}) {
+    SCOPED_TRACE(std::string(k.spec) + " dp" + std::to_string(k.dp) + (k.flat ? " flat" : ""));
+    auto cluster_k = cluster;
+    cluster_k.host_reductions = !k.flat;
     planner::Plan plan;
     plan.grid = ParallelConfig().data(k.dp);
     plan.spec = parallel::ShardingSpec::parse(k.spec);
     plan.global_batch = 32;
-    const auto est = planner::estimate(model, plan, cluster);
+    const auto est = planner::estimate(model, plan, cluster_k);
     const double T = plan.global_batch / k.dp * s;  // tokens per rank
     const double forward = L * (2 * T * (4 * h * h + 8 * h * h) + 4 * T * s * h) + 2 * T * V * h;
     const double compute = 3 * forward / rate;
     EXPECT_NEAR(est.compute_s, compute, 1e-12 * compute);
     // Every collective: its latency steps and bus bytes on its link.
     double comm = 0, traced = 0;
+    int routed_items = 0;  // only ddp's all-reduce across the nodes goes through a node first
     for (const auto& x : est.traffic.items()) {
       const double n = x.size;
-      const bool ring = x.op != OpType::kAllReduce;
-      const double steps = ring ? n - 1 : 2 * std::ceil(std::log2(n));
-      const double bus = x.bytes * (ring ? (n - 1) / n : 2 * (n - 1) / n);
+      const bool p2p = x.op == OpType::kSend || x.op == OpType::kRecv;
+      const bool ring = x.op != OpType::kAllReduce && !p2p;
+      const double steps = p2p ? 1 : ring ? n - 1 : 2 * std::ceil(std::log2(n));
+      const double bus = x.op == OpType::kSend   ? x.bytes
+                         : x.op == OpType::kRecv ? 0
+                                                 : x.bytes * (ring ? (n - 1) / n : 2 * (n - 1) / n);
       EXPECT_NEAR(x.bus_bytes, bus, 1e-9 * bus) << x.group << " " << comm::op_type_name(x.op);
       // Where the group lies on nodes of 4, ranks in order: the data group
       // and its shard groups are runs of consecutive ranks (8 fill both
       // nodes, 2 sit in one); a replica group of mics:2 takes every other
-      // rank, 2 of each node.
+      // rank, 2 of each node; the ring across nodes, one rank of each.
       int nodes = std::max(1, x.size / 4), per_node = std::min(x.size, 4);
       if (x.group.rfind("data.replica", 0) == 0) nodes = 2, per_node = x.size / 2;
+      if (x.group == "data.cross") nodes = 2, per_node = 1;
+      const bool routed = x.group == "data.host" || x.group == "data.cross";
+      routed_items += routed;
+      if (routed) EXPECT_TRUE(k.dp == 8 && !k.flat && k.spec == std::string("ddp")) << x.group << " in this plan";
       if (n > 1) {
         EXPECT_EQ(x.nodes, nodes) << x.group;
         EXPECT_EQ(x.per_node, per_node) << x.group;
@@ -312,6 +379,7 @@ TEST(Planner, StepTimeEqualsTheFormulaOnAHandWrittenCluster) {
       comm += x.calls * steps * latency + bus / bandwidth;
       if (n > 1) traced += x.bytes;  // a group of one (the vocabulary's, at tp 1) moves nothing
     }
+    EXPECT_EQ(routed_items, k.dp == 8 && !k.flat && k.spec == std::string("ddp") ? 4 : 0);
     EXPECT_NEAR(traced, k.moved * psi, 4.0 * k.dp * 8) << "bytes the collectives move: " << est.to_json();
     const double optimizer = (2 * 8 + 3 * 4) * psi / k.optim_shards / membw;
     EXPECT_NEAR(est.optimizer_s, optimizer, 1e-3 * optimizer);

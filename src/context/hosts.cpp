@@ -1,11 +1,13 @@
 #include "tessera/context/hosts.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <map>
 
 namespace tessera {
@@ -51,6 +53,16 @@ std::string HostMap::describe() const {
     out += fmt::format("{} {} ranks {}", h == 0 ? "" : ",", names[h], ranks);
   }
   return out;
+}
+
+bool host_reductions_from_env() {
+  const char* v = std::getenv("TESSERA_HOST_REDUCTIONS");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s(v);
+  TORCH_CHECK(s == "hierarchical" || s == "flat", "TESSERA_HOST_REDUCTIONS='", s,
+              "' is not a choice: 'hierarchical' (data-parallel all-reduces inside each host, then across hosts; "
+              "the default) or 'flat'");
+  return s == "hierarchical";
 }
 
 HostMap map_hosts(comm::Communicator& world) {

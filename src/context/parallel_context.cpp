@@ -4,7 +4,6 @@
 #include "tessera/context/hosts.h"
 #include "tessera/core/error.h"
 
-#include <cstdlib>
 #include <sstream>
 #include <utility>
 
@@ -20,17 +19,6 @@ uint64_t fnv1a(const std::string& text) {
     h *= 0x100000001b3ULL;
   }
   return h;
-}
-
-// TESSERA_HOST_REDUCTIONS: "hierarchical" (the default) or "flat".
-bool hierarchical_from_env() {
-  const char* v = std::getenv("TESSERA_HOST_REDUCTIONS");
-  if (v == nullptr || *v == '\0') return true;
-  const std::string s(v);
-  TORCH_CHECK(s == "hierarchical" || s == "flat", "TESSERA_HOST_REDUCTIONS='", s,
-              "' is not a choice: 'hierarchical' (data-parallel all-reduces inside each host, then across hosts; "
-              "the default) or 'flat'");
-  return s == "hierarchical";
 }
 
 }  // namespace
@@ -68,7 +56,7 @@ std::shared_ptr<ParallelContext> ParallelContext::create(comm::CommunicatorPtr w
   }
   // Data-parallel reductions inside each host first, when the data groups
   // span hosts (Note [Reductions inside a host first]).
-  const bool hierarchical = hierarchical_from_env();
+  const bool hierarchical = host_reductions_from_env();
   if (hierarchical && g.has_mode(ParallelMode::kData) && g.group_size(ParallelMode::kData) >= 4) {
     const HostMap hosts = map_hosts(*world);
     if (hosts.hosts() > 1) {

@@ -144,14 +144,19 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
     } else if (key == "overlap") {
       c.overlap = number(value, key);
       TORCH_CHECK(c.overlap <= 1, "cluster: 'overlap' is a fraction in [0, 1], got ", c.overlap);
+    } else if (key == "host_reductions") {
+      TORCH_CHECK(value.is_boolean(), "cluster: 'host_reductions' must be true or false, got ", value.dump());
+      c.host_reductions = value.get<bool>();
     } else if (key == "intra") {
       links_from_json(value, key, c.intra_default, c.intra);
     } else if (key == "inter") {
       links_from_json(value, key, c.inter_default, c.inter);
     } else {
-      TORCH_CHECK(false, "cluster: unknown key '", key,
-                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, achieved_tflops, "
-                  "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, intra, inter");
+      TORCH_CHECK(
+          false, "cluster: unknown key '", key,
+          "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
+          "achieved_tflops, "
+          "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, host_reductions, intra, inter");
     }
   }
   TORCH_CHECK(c.peak_flops > 0, "cluster: 'peak_tflops' must be positive");
@@ -279,6 +284,7 @@ std::string ClusterDesc::to_json() const {
          {"memory_bandwidth_gbs", memory_bandwidth / 1e9},
          {"host_bandwidth_gbs", host_bandwidth / 1e9},
          {"overlap", overlap},
+         {"host_reductions", host_reductions},
          {"intra", intra_j},
          {"inter", inter_j}};
   if (host_flops > 0) j["host_optimizer_gbs"] = host_flops / 1e9;

@@ -69,7 +69,8 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
                                                .rows(plan.micro_batch_rows()));
 }
 
-Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& cluster, double memory_limit) {
+Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& cluster, double memory_limit) {
+  const Plan plan = on_nodes(given, cluster.gpus_per_node);
   Estimate est;
   est.plan = plan;
   const auto& c = plan.grid;
@@ -95,6 +96,7 @@ Estimate estimate(const ModelDesc& model, const Plan& plan, const ClusterDesc& c
     const int rank = grid.global_rank_at(coords);
     r.traffic = predict_traffic(model, plan, rank);
     place(r.traffic, plan, cluster.gpus_per_node, rank);
+    if (cluster.host_reductions) route_through_hosts(r.traffic, plan);
     double fwd_flops = 0;
     const auto stages = stages_of(model, plan, pp_rank);
     for (const auto& st : stages) fwd_flops += stage_forward_flops(model, plan, st);

@@ -132,6 +132,7 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
               plan.checkpoint_activations = ckpt;
               plan.offload = offload ? parallel::Offload::kHost : parallel::Offload::kNone;
               plan.bf16 = options.bf16();
+              plan = on_nodes(plan, cluster.gpus_per_node);
               ++result.considered;
               try {
                 check_plan(model, plan);

@@ -5,6 +5,7 @@
 
 #include "grid_math.h"
 
+#include "tessera/comm/hierarchical_communicator.h"
 #include "tessera/parallel/sharding_spec.h"
 
 #include <c10/util/Exception.h>
@@ -300,6 +301,49 @@ void place(Traffic& traffic, const Plan& plan, int gpus_per_node, int global_ran
     }
     span(members, c);
   }
+}
+
+void route_through_hosts(Traffic& traffic, const Plan& plan) {
+  const std::string data = mname(ParallelMode::kData);
+  const double e = element_bytes(plan);
+  Traffic routed;
+  std::vector<Collective> kept;
+  for (const Collective& x : traffic.items()) {
+    const int n = x.size, per_node = x.per_node, hosts = x.nodes;
+    const double m = x.calls > 0 ? x.bytes / x.calls / e : 0;  // elements per call
+    const bool routes = x.group == data && x.op == OpType::kAllReduce && n >= 4 && hosts > 1 && per_node >= 2 &&
+                        hosts * per_node == n && m >= static_cast<double>(comm::HierarchicalCommunicator::kMinElements);
+    if (!routes) {
+      kept.push_back(x);
+      continue;
+    }
+    const double piece = std::ceil(m / n);
+    for (OpType op : {OpType::kReduceScatter, OpType::kAllGather})
+      routed.add(x.component, x.mode, data + ".host", per_node, op, x.calls, piece * n, e, x.overlapped);
+    for (OpType op : {OpType::kSend, OpType::kRecv})
+      routed.add(x.component, x.mode, data + ".cross", hosts, op, 2.0 * (hosts - 1) * x.calls, piece, e, x.overlapped);
+  }
+  for (Collective& y : routed.items()) {
+    const bool cross = y.group == data + ".cross";
+    y.nodes = cross ? y.size : 1;
+    y.per_node = cross ? 1 : y.size;
+    kept.push_back(y);
+  }
+  traffic.items() = std::move(kept);
+}
+
+int data_ranks_per_node(const Plan& plan, int gpus_per_node, int global_rank) {
+  TORCH_CHECK(gpus_per_node >= 1, "plan: ranks per node must be >= 1, got ", gpus_per_node);
+  const context::RankGrid grid(plan.grid, plan.world());
+  const ParallelMode tokens = plan.grid.sequence() > 1 ? ParallelMode::kDataSequence : ParallelMode::kData;
+  int on_node = 0;
+  for (int r : grid.group_of(tokens, global_rank)) on_node += r / gpus_per_node == global_rank / gpus_per_node;
+  return on_node;
+}
+
+Plan on_nodes(Plan plan, int gpus_per_node) {
+  if (plan.spec.per_host()) plan.spec = plan.spec.on_hosts(data_ranks_per_node(plan, gpus_per_node));
+  return plan;
 }
 
 }  // namespace planner

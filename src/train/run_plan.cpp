@@ -85,13 +85,25 @@ MeasuredRates measure_rates(const planner::ModelDesc& model, TrainModel serial, 
   return r;
 }
 
-planner::ClusterDesc this_machine(const RunOptions& run, int world, const MeasuredRates& rates) {
+planner::ClusterDesc this_machine(const RunOptions& run, int world, const MeasuredRates& rates,
+                                  const MeasuredLinks& links) {
   planner::ClusterDesc c;
   if (!run.cluster().empty()) c = planner::ClusterDesc::load(run.cluster());
-  c.name = run.cluster().empty() ? "this machine" : run.cluster();
-  c.nodes = 1;
-  c.gpus_per_node = world;
+  c.name = run.cluster().empty() ? (links.nodes > 1 ? "these hosts" : "this machine") : run.cluster();
+  c.nodes = std::max(1, links.nodes);
+  c.gpus_per_node = world / c.nodes;
+  // Measured links replace the description's; --comm-bench's (one host's)
+  // replace the measured ones inside a node.
+  if (!links.intra.empty()) {
+    c.intra = links.intra;
+    c.intra_default = links.intra.at(comm::OpType::kAllReduce);
+  }
+  if (!links.inter.empty()) {
+    c.inter = links.inter;
+    c.inter_default = links.inter.at(comm::OpType::kAllReduce);
+  }
   if (!run.comm_bench().empty()) c = planner::ClusterDesc::from_comm_bench_file(run.comm_bench(), c);
+  c.host_reductions = context::host_reductions_from_env();
   // CPU ranks share this machine's cores (Note [Shared compute] in src/planner/estimate.cpp).
   c.compute_units = static_cast<int>(std::thread::hardware_concurrency());
   c.achieved_flops = rates.flops;
@@ -138,9 +150,11 @@ void apply_plan(const planner::Plan& p, RunOptions& run) {
 
 planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, MetricsLog& log) {
   const context::HostMap hosts = context::map_hosts(*world);
-  TORCH_CHECK(hosts.hosts() == 1, "--plan describes this machine, but the ", world->size(), " ranks span ",
-              hosts.hosts(), " hosts (", hosts.fewest_ranks_per_host(), " on the smallest); plan a cluster with "
-              "tessera_plan --cluster FILE.json and give train_gpt its layout flags");
+  // Across hosts the links are measured (below); one host's come from a file.
+  TORCH_CHECK(hosts.hosts() > 1 || !run.comm_bench().empty() || !run.cluster().empty(),
+              "--plan needs the collectives' rates on one host: --comm-bench FILE (mpirun -np ", world->size(),
+              " comm_bench --json > FILE, on these ranks) or --cluster PRESET|FILE.json");
+  const MeasuredLinks links = measure_links(*world, hosts);  // Note [Measuring the links]
   const models::GPTConfig& cfg = run.model();
   const planner::ModelDesc model = planner::ModelDesc::gpt(cfg, cfg.context());
   // A serial copy on every rank measures the rates (Note [Rates for the planner]).
@@ -156,14 +170,29 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
     rates = measure_rates(model, gpt_train_model(serial, run.precision()), make_optimizer,
                           std::max<int64_t>(1, run.batch() / world->size()), run.clip(), run.bf16(), *world);
   }
-  const planner::ClusterDesc cluster = this_machine(run, world->size(), rates);
-  log.print(fmt::format("planner: this machine, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
-                        "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives from {}; overlap {}",
-                        rates.flops / 1e9, 1e3 * rates.block_overhead, rates.optimizer_bytes_s / 1e9,
-                        cluster.compute_units, run.comm_bench().empty() ? run.cluster() : run.comm_bench(),
-                        cluster.overlap));
+  const planner::ClusterDesc cluster = this_machine(run, world->size(), rates, links);
+  if (links.nodes > 1) {
+    auto gbs = [](const std::map<comm::OpType, planner::Link>& l, comm::OpType op) {
+      return l.count(op) ? fmt::format("{:.3g}", l.at(op).bandwidth / 1e9) : std::string("-");
+    };
+    log.print(
+        fmt::format("planner: {} hosts of {} ranks as nodes, measured: all-reduce {} GB/s inside a host, {} "
+                    "GB/s out of a host; the ring across hosts {} GB/s out of a host, {:.3g} ms a step",
+                    links.nodes, links.per_node, gbs(links.intra, comm::OpType::kAllReduce),
+                    gbs(links.inter, comm::OpType::kAllReduce), gbs(links.inter, comm::OpType::kSend),
+                    1e3 * links.inter.at(comm::OpType::kSend).latency));
+  }
+  std::string collectives = run.comm_bench().empty() ? run.cluster() : run.comm_bench();
+  if (links.nodes > 1)
+    collectives = collectives.empty() ? "measured on these hosts" : collectives + " inside a host, measured across";
+  log.print(
+      fmt::format("planner: {}, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
+                  "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives {}; overlap {}",
+                  links.nodes > 1 ? "these hosts" : "this machine", rates.flops / 1e9, 1e3 * rates.block_overhead,
+                  rates.optimizer_bytes_s / 1e9, cluster.compute_units,
+                  links.nodes > 1 || collectives.empty() ? collectives : "from " + collectives, cluster.overlap));
   if (run.plan() == PlanMode::kFlags) {
-    const planner::Plan p = plan_of(run, world->size());
+    const planner::Plan p = planner::on_nodes(plan_of(run, world->size()), cluster.gpus_per_node);
     planner::check_plan(model, p);
     const planner::Estimate chosen = planner::estimate(model, p, cluster);
     log.print(fmt::format("planner: the flags' plan\n{}\n{}{}", chosen.summary(), planner::breakdown(chosen),

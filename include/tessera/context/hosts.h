@@ -30,5 +30,10 @@ struct HostMap {
 // a host of its own), all-gathered.
 HostMap map_hosts(comm::Communicator& world);
 
+// TESSERA_HOST_REDUCTIONS: whether a data group that spans hosts reduces
+// inside each host first (comm::HierarchicalCommunicator; "hierarchical",
+// the default) or not ("flat"). Any other value throws.
+bool host_reductions_from_env();
+
 }  // namespace context
 }  // namespace tessera

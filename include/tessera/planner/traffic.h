@@ -120,6 +120,23 @@ Traffic predict_traffic(const ModelDesc& model, const Plan& plan, int global_ran
 // per node (global rank r on node r / gpus_per_node).
 void place(Traffic& traffic, const Plan& plan, int gpus_per_node, int global_rank = 0);
 
+// Note [Reductions across nodes in the plan]
+// What comm::HierarchicalCommunicator does to the data group's all-reduces
+// when the group spans nodes, evenly with L >= 2 of its n >= 4 ranks on
+// each of H nodes: a call of m >= its kMinElements elements becomes a
+// reduce-scatter and an all-gather of the padded tensor (m rounded up to a
+// multiple of n) on "data.host" (L ranks, inside the node) and a ring of
+// 2(H - 1) sends and receives of m/n elements on "data.cross" (H ranks, one
+// per node). Calls under the threshold stay flat. Reads the nodes place()
+// filled in.
+void route_through_hosts(Traffic& traffic, const Plan& plan);
+
+// The ranks of the group a rank's gradients are reduced over (data, or data
+// x sequence) on its node: the k of P(host).
+int data_ranks_per_node(const Plan& plan, int gpus_per_node, int global_rank = 0);
+// The plan with P(host) placements resolved for nodes of gpus_per_node ranks.
+Plan on_nodes(Plan plan, int gpus_per_node);
+
 // What one rank puts on the wire for traced `bytes` of op over n ranks
 // (Note [Trace byte counts]).
 double bus_bytes_of(comm::OpType op, int n, double bytes);

@@ -6,6 +6,7 @@
 #include "tessera/comm/communicator.h"
 #include "tessera/planner/estimate.h"
 #include "tessera/planner/plan.h"
+#include "tessera/train/link_rates.h"
 #include "tessera/train/metrics.h"
 #include "tessera/train/run_options.h"
 #include "tessera/train/trainer.h"
@@ -40,16 +41,19 @@ struct MeasuredRates {
 MeasuredRates measure_rates(const planner::ModelDesc& model, TrainModel serial, const OptimizerFactory& make_optimizer,
                             int64_t rows, double clip, bool bf16, comm::Communicator& world);
 
-// This machine as the planner sees it: one node of `world` ranks, the
-// collectives from --comm-bench or --cluster, the rates measured.
-planner::ClusterDesc this_machine(const RunOptions& run, int world, const MeasuredRates& rates);
+// The run's machines as the planner sees them: one node of `world` ranks,
+// or the hosts of `links` as nodes with the links measured between and
+// inside them; the collectives inside a node from --comm-bench or --cluster
+// when given; the rates measured.
+planner::ClusterDesc this_machine(const RunOptions& run, int world, const MeasuredRates& rates,
+                                  const MeasuredLinks& links = {});
 
 // The plan the options describe, and the options a plan gives.
 planner::Plan plan_of(const RunOptions& run, int world);
 void apply_plan(const planner::Plan& plan, RunOptions& run);
 
-// Collective over `world`: refuses ranks on more than one host, measures
-// the rates, then searches (auto: the best plan is written into `run`) or
+// Collective over `world`: measures the rates (and the links between hosts
+// when the ranks span several), then searches (auto: the best plan is written into `run`) or
 // estimates the options' plan (flags); the report goes through `log`.
 planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, MetricsLog& log);
 
