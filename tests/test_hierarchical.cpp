@@ -121,6 +121,37 @@ TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
   }
 }
 
+// Note [One reduction at a time]: reductions posted back to back (as the
+// buckets of a backward pass) and polled in an order that differs between
+// ranks (later ones first on even ranks), each polled step driving
+// whichever stage it reaches, all end with the sums.
+TEST(Hierarchical, ReductionsInFlightTogetherPolledInAnyOrder) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2));
+  ASSERT_NE(group, world);
+  std::vector<at::Tensor> xs;
+  std::vector<comm::WorkPtr> works;
+  for (int i = 0; i < 6; ++i) {
+    const int64_t numel = HierarchicalCommunicator::kMinElements + 1000 * i + 3;
+    xs.push_back(at::full({numel}, static_cast<double>(world->rank() + i), at::kDouble).to(test::device()));
+    comm::AllReduceOptions o;
+    o.async = true;
+    works.push_back(group->all_reduce(xs.back(), o));
+  }
+  const bool backwards = world->rank() % 2 == 0;
+  for (bool all = false; !all;) {
+    all = true;
+    for (size_t k = 0; k < works.size(); ++k) all = works[backwards ? works.size() - 1 - k : k]->is_completed() && all;
+  }
+  for (int i = 0; i < 6; ++i) {
+    works[static_cast<size_t>(i)]->wait();
+    const double want = n * (n - 1) / 2.0 + static_cast<double>(n) * i;
+    EXPECT_TRUE(xs[static_cast<size_t>(i)].cpu().eq(want).all().item<bool>()) << "reduction " << i;
+  }
+}
+
 // The bytes on each class of link equal the formula of Note [Reductions
 // inside a host first]: for n floats padded to a multiple of L·H (L ranks
 // per host, H hosts), each rank puts (L-1)/L of the padded tensor on the

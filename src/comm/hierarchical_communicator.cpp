@@ -14,10 +14,18 @@ namespace comm {
 namespace {
 
 // Runs its stages one after the other: each starts when the one before has
-// completed, found by wait() or by an is_completed() that sees it done.
+// completed, found by wait() or by an is_completed() that sees it done. The
+// first starts only once `after` (the group's previous reduction) has
+// completed: Note [One reduction at a time].
 class StagedWork : public Work {
  public:
-  explicit StagedWork(std::vector<std::function<WorkPtr()>> stages) : stages_(std::move(stages)) { advance(); }
+  StagedWork(std::vector<std::function<WorkPtr()>> stages, WorkPtr after)
+      : stages_(std::move(stages)), after_(std::move(after)) {
+    if (!after_ || after_->is_completed()) {
+      after_.reset();
+      advance();
+    }
+  }
   ~StagedWork() override {
     try {
       wait();
@@ -26,6 +34,11 @@ class StagedWork : public Work {
   }
 
   void wait() override {
+    if (after_) {
+      after_->wait();
+      after_.reset();
+      advance();
+    }
     while (current_) {
       current_->wait();
       advance();
@@ -33,6 +46,11 @@ class StagedWork : public Work {
   }
 
   bool is_completed() override {
+    if (after_) {
+      if (!after_->is_completed()) return false;
+      after_.reset();
+      advance();
+    }
     while (current_ && current_->is_completed()) advance();
     return current_ == nullptr;
   }
@@ -41,6 +59,7 @@ class StagedWork : public Work {
   void advance() { current_ = next_ < stages_.size() ? stages_[next_++]() : nullptr; }
 
   std::vector<std::function<WorkPtr()>> stages_;
+  WorkPtr after_;
   size_t next_ = 0;
   WorkPtr current_;
 };
@@ -174,7 +193,20 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
       return completed_work();
     });
   }
-  auto work = std::make_shared<StagedWork>(std::move(stages));
+  // Note [One reduction at a time]
+  // Several reductions may be in flight (ShardedModule posts one per bucket
+  // during backward), each advancing whenever its caller polls it. Were
+  // their stages free to interleave, one rank could issue bucket 0's
+  // all-gather inside the host before bucket 1's reduce-scatter and another
+  // after it, and the ring's messages of two buckets could pair with each
+  // other's receives: MPI needs one order of collectives per communicator,
+  // and point-to-point messages without tags pair in posting order (Open
+  // MPI aborted with MPI_ERR_TRUNCATE with 0.25 MiB buckets). So a
+  // reduction starts its first stage only when the group's previous one has
+  // completed; every rank then issues every stage in the same order.
+  WorkPtr after = last_.lock();
+  auto work = std::make_shared<StagedWork>(std::move(stages), std::move(after));
+  last_ = work;
   if (!options.async) work->wait();
   return work;
 }

@@ -85,6 +85,9 @@ class HierarchicalCommunicator : public Communicator {
   CommunicatorPtr inner_;
   CommunicatorPtr host_;
   CommunicatorPtr cross_;
+  // The last reduction issued; the next starts after it (Note [One
+  // reduction at a time] in the source). Dropped works have completed.
+  std::weak_ptr<Work> last_;
 };
 
 }  // namespace comm
