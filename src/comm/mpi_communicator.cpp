@@ -2,9 +2,10 @@
 
 #include "mpi_types.h"
 #include "op_checks.h"
+#include "progress_thread.h"
 #include "tessera/comm/mpi_check.h"
-#include "waiting.h"
 #include "tessera/core/logging.h"
+#include "waiting.h"
 
 #include <ATen/ATen.h>
 #if __has_include(<mpi-ext.h>)
@@ -207,6 +208,17 @@ bool MpiOptions::synchronous_sends_from_env() {
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
 
+std::chrono::microseconds MpiOptions::progress_from_env() {
+  const char* value = std::getenv("TESSERA_PROGRESS_US");
+  if (value == nullptr || *value == '\0') return std::chrono::microseconds(0);
+  const std::string text(value);
+  const bool digits = text.size() <= 9 && text.find_first_not_of("0123456789") == std::string::npos;
+  TORCH_CHECK(digits, "TESSERA_PROGRESS_US='", text.substr(0, 40),
+              "' is not a whole number of microseconds between the progress thread's probes (Note [A progress "
+              "thread]); use e.g. 200, or 0 for no thread");
+  return std::chrono::microseconds(std::stoll(text));
+}
+
 namespace {
 
 // Collective over comm: each member's host name (gethostname), by world rank;
@@ -250,6 +262,8 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::create(MPI_Comm comm, const st
   if (!resolved.abort) {
     resolved.abort = detail::AbortState::create(resolved.flight_recorder);
     resolved.abort->set_hosts(host_names_by_world_rank(dup));
+    if (resolved.progress.count() > 0 && !resolved.progress_thread)
+      resolved.progress_thread = std::make_shared<detail::ProgressThread>(dup, resolved.progress);
   }
   return std::shared_ptr<MpiCommunicator>(
       new MpiCommunicator(dup, name, std::make_shared<MpiTypes>(), std::move(resolved), /*with_control=*/true));
@@ -278,6 +292,10 @@ MpiCommunicator::~MpiCommunicator() {
   // Freeing a communicator with abandoned operations is left to the end of
   // the process (Note [Timeouts]).
   if (comm_ != MPI_COMM_NULL && !mpi_finalized() && !options_.abort->aborted()) MPI_Comm_free(&comm_);
+}
+
+int64_t MpiCommunicator::progress_probes() const {
+  return options_.progress_thread ? options_.progress_thread->probes() : -1;
 }
 
 detail::OpInfo MpiCommunicator::begin(const char* op, int64_t bytes, const char* dtype, std::vector<int> peers) {

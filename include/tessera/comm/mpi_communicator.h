@@ -26,6 +26,10 @@ struct CommInfo;
 struct OpInfo;
 }  // namespace detail
 
+namespace detail {
+class ProgressThread;
+}  // namespace detail
+
 struct MpiOptions {
   // Note [Timeouts]. With a timeout, synchronous calls are issued as the
   // nonblocking ones and polled; with none (0), MPI's blocking calls run.
@@ -40,8 +44,16 @@ struct MpiOptions {
   std::shared_ptr<detail::AbortState> abort;
   // Note [Flight recorder]; used only when a new family is made.
   FlightRecorderOptions flight_recorder{};
+  // Note [A progress thread] (src/comm/progress_thread.h): when > 0, a new
+  // family runs a thread that moves MPI's pending operations every so
+  // often. TESSERA_PROGRESS_US (unset or 0: none).
+  std::chrono::microseconds progress = progress_from_env();
+  // The family's thread, shared like `abort`; made by create().
+  std::shared_ptr<detail::ProgressThread> progress_thread;
 
   static bool synchronous_sends_from_env();
+  // Throws, naming the value, unless it is a whole number of microseconds.
+  static std::chrono::microseconds progress_from_env();
 };
 
 class MpiCommunicator : public Communicator, public std::enable_shared_from_this<MpiCommunicator> {
@@ -70,6 +82,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   std::shared_ptr<FlightRecorder> flight_recorder() const;
   // Note [Fault injection] in core/fault_injection.h: null without TESSERA_FAULT.
   std::shared_ptr<FaultInjector> fault_injector() const;
+  // Probes the family's progress thread has made; -1 without one.
+  int64_t progress_probes() const;
 
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {}) override;
   WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {}) override;

@@ -1,0 +1,46 @@
+#include "progress_thread.h"
+
+#include "tessera/comm/mpi_check.h"
+
+#include <c10/util/Exception.h>
+
+namespace tessera {
+namespace comm {
+namespace detail {
+
+ProgressThread::ProgressThread(MPI_Comm comm, std::chrono::microseconds interval) : interval_(interval) {
+  TORCH_CHECK(interval.count() > 0, "TESSERA_PROGRESS_US: the interval between probes must be > 0 microseconds, got ",
+              interval.count());
+  int provided = MPI_THREAD_SINGLE;
+  TESSERA_MPI_CHECK(MPI_Query_thread(&provided));
+  TORCH_CHECK(provided == MPI_THREAD_MULTIPLE, "TESSERA_PROGRESS_US=", interval.count(),
+              " asks for a progress thread beside the caller's, which needs MPI_THREAD_MULTIPLE, but MPI was "
+              "initialized with thread level ",
+              provided,
+              "; let tessera::comm::MpiRuntime initialize MPI (it asks "
+              "for MPI_THREAD_MULTIPLE), use an MPI built with thread support, or unset TESSERA_PROGRESS_US");
+  TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &probe_));
+  thread_ = std::thread([this] { run(); });
+}
+
+ProgressThread::~ProgressThread() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(&probe_);
+}
+
+void ProgressThread::run() {
+  while (!stop_.load(std::memory_order_acquire)) {
+    int flag = 0;
+    // Nothing is ever sent on probe_: the call only runs the progress engine.
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, probe_, &flag, MPI_STATUS_IGNORE);
+    probes_.fetch_add(1, std::memory_order_relaxed);
+    std::this_thread::sleep_for(interval_);
+  }
+}
+
+}  // namespace detail
+}  // namespace comm
+}  // namespace tessera
