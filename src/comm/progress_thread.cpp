@@ -7,6 +7,15 @@
 namespace tessera {
 namespace comm {
 namespace detail {
+namespace {
+
+// MPI_Finalize deletes MPI_COMM_SELF's attributes before anything else.
+int stop_at_finalize(MPI_Comm, int, void* thread, void*) {
+  static_cast<ProgressThread*>(thread)->stop();
+  return MPI_SUCCESS;
+}
+
+}  // namespace
 
 ProgressThread::ProgressThread(MPI_Comm comm, std::chrono::microseconds interval) : interval_(interval) {
   TORCH_CHECK(interval.count() > 0, "TESSERA_PROGRESS_US: the interval between probes must be > 0 microseconds, got ",
@@ -20,15 +29,24 @@ ProgressThread::ProgressThread(MPI_Comm comm, std::chrono::microseconds interval
               "; let tessera::comm::MpiRuntime initialize MPI (it asks "
               "for MPI_THREAD_MULTIPLE), use an MPI built with thread support, or unset TESSERA_PROGRESS_US");
   TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &probe_));
+  TESSERA_MPI_CHECK(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_at_finalize, &keyval_, nullptr));
+  TESSERA_MPI_CHECK(MPI_Comm_set_attr(MPI_COMM_SELF, keyval_, this));
   thread_ = std::thread([this] { run(); });
 }
 
-ProgressThread::~ProgressThread() {
+void ProgressThread::stop() {
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
+}
+
+ProgressThread::~ProgressThread() {
+  stop();
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Comm_free(&probe_);
+  if (finalized) return;  // MPI freed the attribute and the communicators
+  MPI_Comm_delete_attr(MPI_COMM_SELF, keyval_);
+  MPI_Comm_free_keyval(&keyval_);
+  MPI_Comm_free(&probe_);
 }
 
 void ProgressThread::run() {

@@ -14,7 +14,10 @@
 // MPI_THREAD_MULTIPLE (MpiRuntime asks for it); it touches none of
 // tessera's own state, so the requests stay owned by the thread that posted
 // them. The thread sleeps between probes: on ranks that share few cores it
-// takes little of the compute it is to hide behind.
+// takes little of the compute it is to hide behind. It must not probe once
+// MPI is finalized, and a family may outlive MPI_Finalize (a static
+// communicator): an attribute on MPI_COMM_SELF, whose delete callback MPI
+// runs first thing in MPI_Finalize, stops it there.
 #include <mpi.h>
 
 #include <atomic>
@@ -34,6 +37,8 @@ class ProgressThread {
   ProgressThread(const ProgressThread&) = delete;
   ProgressThread& operator=(const ProgressThread&) = delete;
 
+  // Stops the thread and waits for it; the destructor and MPI_Finalize call it.
+  void stop();
   std::chrono::microseconds interval() const { return interval_; }
   // Probes made so far (tests see the thread run).
   int64_t probes() const { return probes_.load(std::memory_order_relaxed); }
@@ -42,6 +47,7 @@ class ProgressThread {
   void run();
 
   MPI_Comm probe_ = MPI_COMM_NULL;
+  int keyval_ = MPI_KEYVAL_INVALID;
   std::chrono::microseconds interval_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> probes_{0};
