@@ -182,9 +182,11 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
                     gbs(links.inter, comm::OpType::kAllReduce), gbs(links.inter, comm::OpType::kSend),
                     1e3 * links.inter.at(comm::OpType::kSend).latency));
   }
+  // Across hosts the measured links replace --cluster's; --comm-bench's replace them inside a host.
   std::string collectives = run.comm_bench().empty() ? run.cluster() : run.comm_bench();
   if (links.nodes > 1)
-    collectives = collectives.empty() ? "measured on these hosts" : collectives + " inside a host, measured across";
+    collectives =
+        run.comm_bench().empty() ? "measured on these hosts" : collectives + " inside a host, measured across";
   log.print(
       fmt::format("planner: {}, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
                   "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives {}; overlap {}",
