@@ -50,13 +50,6 @@ double time_call(comm::Communicator& world, comm::Communicator& group, OpType op
   return t[t.size() / 2];
 }
 
-// The mean over the ranks of `world` of each rank's value.
-double mean_over(comm::Communicator& world, double value) {
-  at::Tensor v = at::tensor({value}, at::kDouble);
-  world.control()->all_reduce(v)->wait();
-  return v.item<double>() / world.size();
-}
-
 // Every op's link over `group` (Note [Measuring the links]); `share`: the
 // ranks that used the same links at once.
 std::map<OpType, planner::Link> measure(comm::Communicator& world, comm::Communicator& group, double share) {
@@ -64,8 +57,8 @@ std::map<OpType, planner::Link> measure(comm::Communicator& world, comm::Communi
   const int n = group.size();
   std::map<OpType, planner::Link> out;
   for (OpType op : {OpType::kAllReduce, OpType::kAllGather, OpType::kReduceScatter, OpType::kSend}) {
-    const double small = mean_over(world, time_call(world, group, op, kSmall));
-    const double big = mean_over(world, time_call(world, group, op, kBig));
+    const double small = mean_over_ranks(time_call(world, group, op, kSmall), world);
+    const double big = mean_over_ranks(time_call(world, group, op, kBig), world);
     const double extra =
         planner::bus_bytes_of(op, n, 4.0 * (kBig / n * n)) - planner::bus_bytes_of(op, n, 4.0 * (kSmall / n * n));
     planner::Link l;
@@ -77,6 +70,12 @@ std::map<OpType, planner::Link> measure(comm::Communicator& world, comm::Communi
 }
 
 }  // namespace
+
+double mean_over_ranks(double value, comm::Communicator& world) {
+  at::Tensor v = at::tensor({value}, at::kDouble);
+  world.control()->all_reduce(v)->wait();
+  return v.item<double>() / world.size();
+}
 
 MeasuredLinks measure_links(comm::Communicator& world, const context::HostMap& hosts) {
   MeasuredLinks links;

@@ -24,13 +24,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The mean over ranks of a time each rank measured while all ran at once.
-double mean_over_ranks(double seconds, comm::Communicator& world) {
-  at::Tensor t = at::tensor({seconds}, at::kDouble);
-  world.control()->all_reduce(t)->wait();
-  return t.item<double>() / world.size();
-}
-
 void barrier(comm::Communicator& world) { world.control()->barrier()->wait(); }
 
 }  // namespace

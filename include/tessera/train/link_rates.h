@@ -29,6 +29,10 @@ struct MeasuredLinks {
   std::map<comm::OpType, planner::Link> intra, inter;  // empty: not measured
 };
 
+// Collective over `world`: the mean over its ranks of a value each measured
+// (a time taken while all ran at once).
+double mean_over_ranks(double value, comm::Communicator& world);
+
 // Collective over `world`. One host: nothing measured. Several hosts: they
 // must hold equal numbers of ranks, filled host by host (rank r on host
 // r / per_node), or it throws on every rank saying so.
