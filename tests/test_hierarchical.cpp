@@ -1,6 +1,6 @@
 // HierarchicalCommunicator (Note [Reductions inside a host first]): which
-// groups it takes over, and its all_reduce against reductions computed
-// locally from every rank's input. Hosts are given to it by hand here, so
+// groups it takes over, and its all_reduce, reduce_scatter and all_gather
+// against results computed locally from every rank's input. Hosts are given to it by hand here, so
 // the ranks of this machine stand for 2 hosts of 2 or 4, 4 hosts of 2, with
 // a host's ranks contiguous or interleaved; tests/cluster_run.sh runs it
 // across real network namespaces.
@@ -121,6 +121,70 @@ TEST(Hierarchical, AllReduceEqualsTheReductionComputedLocallyOnEveryRankAlike) {
   }
 }
 
+// Note [Scatters and gathers by host]: each rank's chunk of the reduction,
+// and every rank's input in group-rank order, whatever the hosts' layout.
+TEST(Hierarchical, ReduceScatterAndAllGatherEqualTheResultsComputedLocally) {
+  auto world = test::world();
+  const int n = world->size();
+  const int r = world->rank();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  std::vector<Layout> layouts = {
+      {"2 hosts, ranks contiguous", [](int q, int m) { return q / (m / 2); }},
+      {"2 hosts, ranks interleaved", [](int q, int) { return q % 2; }},
+  };
+  if (n >= 8) layouts.push_back({"4 hosts of 2, interleaved", [](int q, int m) { return q % (m / 2); }});
+  const int64_t big = HierarchicalCommunicator::kMinElements;
+  for (const Layout& layout : layouts) {
+    auto group = HierarchicalCommunicator::wrap(world, layout.host(r, n));
+    ASSERT_NE(group, world) << layout.name;
+    for (c10::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kProduct}) {
+        for (int64_t chunk : {int64_t{10}, big / n + 3}) {  // flat, and staged
+          for (bool async : {false, true}) {
+            SCOPED_TRACE(fmt::format("{}, {}, {}, {} elements a rank, {}", layout.name, dtype_name(dtype),
+                                     comm::reduce_op_name(op), chunk, async ? "async" : "sync"));
+            const at::Tensor want = expected(n, n * chunk, dtype, op).narrow(0, r * chunk, chunk);
+            const at::Tensor x = input_of(r, n * chunk, dtype, op).to(test::device());
+            at::Tensor got = at::empty({chunk}, x.options());
+            comm::ReduceScatterOptions o;
+            o.op = op;
+            o.async = async;
+            auto work = group->reduce_scatter(got, x, o);
+            if (async)
+              while (!work->is_completed()) {
+              }
+            work->wait();
+            const at::Tensor g = got.cpu().to(at::kDouble);
+            if (op == ReduceOp::kMax) {
+              EXPECT_TRUE(g.equal(want));
+            } else {
+              const double tol = dtype == at::kFloat ? 2e-6 : 1e-13;
+              EXPECT_LE(((g - want).abs().max() / want.abs().max()).item<double>(), tol);
+            }
+          }
+        }
+      }
+      for (int64_t chunk : {int64_t{10}, big / n + 3}) {
+        for (bool async : {false, true}) {
+          SCOPED_TRACE(fmt::format("{}, all_gather of {} {} a rank, {}", layout.name, chunk, dtype_name(dtype),
+                                   async ? "async" : "sync"));
+          at::Tensor out = at::empty({n * chunk}, dtype).to(test::device());
+          comm::AllGatherOptions o;
+          o.async = async;
+          auto work = group->all_gather(out, input_of(r, chunk, dtype, ReduceOp::kSum).to(test::device()), o);
+          if (async)
+            while (!work->is_completed()) {
+            }
+          work->wait();
+          for (int q = 0; q < n; ++q)
+            EXPECT_TRUE(out.cpu().narrow(0, q * chunk, chunk).equal(input_of(q, chunk, dtype, ReduceOp::kSum)))
+                << "rank " << q << "'s chunk";
+        }
+      }
+    }
+  }
+}
+
 // Note [One reduction at a time]: reductions posted back to back (as the
 // buckets of a backward pass) and polled in an order that differs between
 // ranks (later ones first on even ranks), each polled step driving
@@ -152,7 +216,7 @@ TEST(Hierarchical, ReductionsInFlightTogetherPolledInAnyOrder) {
   }
 }
 
-// The bytes on each class of link equal the formula of Note [Reductions
+// The bytes on each class of link equal the formulas of Note [Reductions
 // inside a host first]: for n floats padded to a multiple of L·H (L ranks
 // per host, H hosts), each rank puts (L-1)/L of the padded tensor on the
 // host's links in the reduce-scatter and again in the all-gather, and sends
@@ -186,6 +250,26 @@ TEST(Hierarchical, BytesPerLinkClassEqualTheFormula) {
       EXPECT_EQ(sent.bytes, 2 * (hosts - 1) * piece * 4) << "bytes sent across hosts";
       EXPECT_EQ(trace->get("world", comm::OpType::kAllReduce).calls, 0) << "nothing flat";
     }
+    // Note [Scatters and gathers by host]: a reduce-scatter or all-gather of
+    // c floats a rank traces n·c floats inside the host and sends H-1
+    // pieces of c across hosts.
+    const int64_t c = HierarchicalCommunicator::kMinElements / n + 7;
+    at::Tensor full = at::ones({n * c}, at::kFloat).to(test::device());
+    at::Tensor mine = at::empty({c}, at::kFloat).to(test::device());
+    auto check = [&](comm::OpType op) {
+      EXPECT_EQ(trace->get("world.host", op).bytes, n * c * 4) << "the whole tensor inside the host";
+      EXPECT_EQ(trace->get("world.cross", comm::OpType::kSend).calls, hosts - 1);
+      EXPECT_EQ(trace->get("world.cross", comm::OpType::kSend).bytes, (hosts - 1) * c * 4) << "sent across hosts";
+      EXPECT_EQ(trace->get("world", op).calls, 0) << "nothing flat";
+      trace->reset();
+    };
+    trace->reset();
+    group->reduce_scatter(mine, full);
+    EXPECT_TRUE(mine.cpu().equal(at::full({c}, static_cast<float>(n))));
+    check(comm::OpType::kReduceScatter);
+    group->all_gather(full, mine);
+    EXPECT_TRUE(full.cpu().equal(at::full({n * c}, static_cast<float>(n))));
+    check(comm::OpType::kAllGather);
   }
 }
 

@@ -74,53 +74,82 @@ class StagedWork : public Work {
 // the previous, adding it in (reduce-scatter), then p-1 steps passing the
 // reduced pieces on (all-gather). The reductions run on this rank, in ring
 // order, so every rank ends with the same values.
-void append_ring_all_reduce(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
-                            const at::Tensor& data, ReduceOp op) {
+// Afterwards this rank's piece r + shift of `data` (p pieces) holds the
+// reduction over every rank of the ring.
+void append_ring_reduce_scatter(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
+                                const at::Tensor& data, ReduceOp op, int shift) {
   const int p = ring->size();
-  const int r = ring->rank();
+  const int r = ring->rank() + shift;
   TORCH_INTERNAL_ASSERT(data.numel() % p == 0);
   const int64_t piece = data.numel() / p;
-  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  const int next = (ring->rank() + 1) % p, prev = (ring->rank() + p - 1) % p;
   auto slice = [data, piece, p](int i) { return data.narrow(0, ((i % p) + p) % p * piece, piece); };
   at::Tensor incoming = at::empty({piece}, data.options());
   for (int step = 0; step < p - 1; ++step) {
-    // Send piece r - step, receive piece r - step - 1 and reduce into it.
+    // Send piece r - 1 - step, receive piece r - 2 - step and reduce into it.
     stages.push_back([ring, slice, incoming, next, prev, r, step]() {
-      return ring->batch_isend_irecv({{P2POp::Kind::kSend, slice(r - step), next},
-                                      {P2POp::Kind::kRecv, incoming, prev}});
+      return ring->batch_isend_irecv(
+          {{P2POp::Kind::kSend, slice(r - 1 - step), next}, {P2POp::Kind::kRecv, incoming, prev}});
     });
     stages.push_back([slice, incoming, r, step, op]() {
-      at::Tensor target = slice(r - step - 1);
+      at::Tensor target = slice(r - 2 - step);
       switch (op) {
         case ReduceOp::kSum:
-        case ReduceOp::kAvg: target.add_(incoming); break;
-        case ReduceOp::kProduct: target.mul_(incoming); break;
-        case ReduceOp::kMin: at::minimum_out(target, target, incoming); break;
-        case ReduceOp::kMax: at::maximum_out(target, target, incoming); break;
+        case ReduceOp::kAvg:
+          target.add_(incoming);
+          break;
+        case ReduceOp::kProduct:
+          target.mul_(incoming);
+          break;
+        case ReduceOp::kMin:
+          at::minimum_out(target, target, incoming);
+          break;
+        case ReduceOp::kMax:
+          at::maximum_out(target, target, incoming);
+          break;
       }
       return completed_work();
     });
   }
-  // Rank r now holds piece r + 1 reduced over every rank.
   if (op == ReduceOp::kAvg) {
     stages.push_back([slice, r, p]() {
-      slice(r + 1).div_(p);
+      slice(r).div_(p);
       return completed_work();
-    });
-  }
-  for (int step = 0; step < p - 1; ++step) {
-    stages.push_back([ring, slice, next, prev, r, step]() {
-      at::Tensor into = slice(r - step);
-      return ring->batch_isend_irecv({{P2POp::Kind::kSend, slice(r + 1 - step), next},
-                                      {P2POp::Kind::kRecv, into, prev}});
     });
   }
 }
 
+// This rank's piece r + shift of `data` is complete; afterwards every piece is.
+void append_ring_all_gather(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
+                            const at::Tensor& data, int shift) {
+  const int p = ring->size();
+  const int r = ring->rank() + shift;
+  const int64_t piece = data.numel() / p;
+  const int next = (ring->rank() + 1) % p, prev = (ring->rank() + p - 1) % p;
+  auto slice = [data, piece, p](int i) { return data.narrow(0, ((i % p) + p) % p * piece, piece); };
+  for (int step = 0; step < p - 1; ++step) {
+    stages.push_back([ring, slice, next, prev, r, step]() {
+      at::Tensor into = slice(r - 1 - step);
+      return ring->batch_isend_irecv({{P2POp::Kind::kSend, slice(r - step), next}, {P2POp::Kind::kRecv, into, prev}});
+    });
+  }
+}
+
+// Reductions under kMinElements stay flat; ZeRO's scatters and gathers are
+// staged at any size (Note [Scatters and gathers by host]).
+bool staged(const at::Tensor& t, int64_t min_elements) {
+  return t.numel() >= min_elements && t.is_contiguous() && at::isFloatingType(t.scalar_type());
+}
+
 }  // namespace
 
-HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross)
-    : inner_(std::move(inner)), host_(std::move(host)), cross_(std::move(cross)) {}
+HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross,
+                                                   at::Tensor by_local_index, int host_id)
+    : inner_(std::move(inner)),
+      host_(std::move(host)),
+      cross_(std::move(cross)),
+      by_local_index_(std::move(by_local_index)),
+      host_id_(host_id) {}
 
 CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) {
   TORCH_CHECK(inner != nullptr, "HierarchicalCommunicator::wrap needs a communicator");
@@ -130,14 +159,15 @@ CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) 
   at::Tensor all = at::empty({n}, at::kLong);
   inner->control()->all_gather(all, mine)->wait();
   const int64_t* h = all.data_ptr<int64_t>();
-  // Hosts in the order of their lowest rank; this rank's index among its host's ranks.
+  // Hosts in the order of their lowest rank; each rank's index among its host's ranks.
   std::map<int64_t, int> count;
   std::vector<int64_t> order;
-  int local = 0;
+  std::vector<int> local_of(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
-    if (count[h[r]]++ == 0) order.push_back(h[r]);
-    if (r < inner->rank() && h[r] == host) ++local;
+    if (count[h[r]] == 0) order.push_back(h[r]);
+    local_of[static_cast<size_t>(r)] = count[h[r]]++;
   }
+  const int local = local_of[static_cast<size_t>(inner->rank())];
   const int hosts = static_cast<int>(order.size());
   const int per_host = n / hosts;
   const bool even = std::all_of(count.begin(), count.end(), [&](const auto& c) { return c.second == per_host; });
@@ -148,13 +178,23 @@ CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) 
   TORCH_INTERNAL_ASSERT(host_group->size() == per_host && cross_group->size() == hosts,
                         "host split of ", inner->name(), " gave ", host_group->size(), " x ", cross_group->size(),
                         " ranks, expected ", per_host, " x ", hosts);
-  return CommunicatorPtr(new HierarchicalCommunicator(std::move(inner), std::move(host_group), std::move(cross_group)));
+  at::Tensor by_local_index = at::empty({n}, at::kLong);
+  for (int r = 0; r < n; ++r) {
+    const auto index = std::find(order.begin(), order.end(), h[r]) - order.begin();
+    by_local_index.data_ptr<int64_t>()[local_of[static_cast<size_t>(r)] * hosts + index] = r;
+  }
+  return CommunicatorPtr(new HierarchicalCommunicator(std::move(inner), std::move(host_group), std::move(cross_group),
+                                                      std::move(by_local_index), host));
+}
+
+CommunicatorPtr HierarchicalCommunicator::split(int color, int key, const std::string& name) {
+  CommunicatorPtr group = inner_->split(color, key, name);
+  return group ? wrap(std::move(group), host_id_) : nullptr;
 }
 
 WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   // Integers stay flat: an average in two steps would round twice.
-  if (tensor.numel() < kMinElements || !tensor.is_contiguous() || !at::isFloatingType(tensor.scalar_type()))
-    return inner_->all_reduce(tensor, options);
+  if (!staged(tensor, kMinElements)) return inner_->all_reduce(tensor, options);
   const int64_t n = tensor.numel();
   const int64_t per = host_->size(), hosts = cross_->size();
   const int64_t piece = (n + per * hosts - 1) / (per * hosts);
@@ -181,7 +221,8 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
     return host->reduce_scatter(part, buffer, o);
   });
   // Across hosts: a ring on point-to-point messages (Note [A ring across hosts]).
-  append_ring_all_reduce(stages, cross, part, op);
+  append_ring_reduce_scatter(stages, cross, part, op, 0);
+  append_ring_all_gather(stages, cross, part, 0);
   stages.push_back([host, buffer, part]() mutable {
     AllGatherOptions o;
     o.async = true;
@@ -193,6 +234,69 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
       return completed_work();
     });
   }
+  return submit(std::move(stages), options.async);
+}
+
+WorkPtr HierarchicalCommunicator::reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                                 const ReduceScatterOptions& options) {
+  if (!staged(input, 1) || !output.is_contiguous() || output.scalar_type() != input.scalar_type())
+    return inner_->reduce_scatter(output, input, options);
+  const int64_t n = size(), c = output.numel(), hosts = cross_->size();
+  TORCH_CHECK(input.numel() == n * c, "reduce_scatter on ", name(), ": input has ", input.numel(),
+              " elements, expected ", n, " x the output's ", c);
+  at::Tensor reordered = at::empty({n, c}, input.options());
+  at::Tensor part = at::empty({hosts * c}, input.options());
+  at::Tensor order = by_local_index_;
+  CommunicatorPtr host = host_;
+  const ReduceOp op = options.op;
+  std::vector<std::function<WorkPtr()>> stages;
+  stages.push_back([host, input, reordered, part, order, n, c, op]() mutable {
+    at::index_select_out(reordered, input.reshape({n, c}), 0, order);
+    ReduceScatterOptions o;
+    o.op = op;
+    o.async = true;
+    return host->reduce_scatter(part, reordered.view({-1}), o);
+  });
+  append_ring_reduce_scatter(stages, cross_, part, op, 0);
+  const int64_t mine = cross_->rank();
+  stages.push_back([output, part, mine, c]() mutable {
+    output.view({-1}).copy_(part.narrow(0, mine * c, c));
+    return completed_work();
+  });
+  return submit(std::move(stages), options.async);
+}
+
+WorkPtr HierarchicalCommunicator::all_gather(at::Tensor& output, const at::Tensor& input,
+                                             const AllGatherOptions& options) {
+  if (!staged(output, 1) || !input.is_contiguous() || output.scalar_type() != input.scalar_type())
+    return inner_->all_gather(output, input, options);
+  const int64_t n = size(), c = input.numel(), hosts = cross_->size();
+  TORCH_CHECK(output.numel() == n * c, "all_gather on ", name(), ": output has ", output.numel(),
+              " elements, expected ", n, " x the input's ", c);
+  at::Tensor part = at::empty({hosts * c}, input.options());
+  at::Tensor gathered = at::empty({n * c}, input.options());
+  at::Tensor order = by_local_index_;
+  CommunicatorPtr host = host_;
+  const int64_t mine = cross_->rank();
+  std::vector<std::function<WorkPtr()>> stages;
+  stages.push_back([input, part, mine, c]() mutable {
+    part.narrow(0, mine * c, c).copy_(input.view({-1}));
+    return completed_work();
+  });
+  append_ring_all_gather(stages, cross_, part, 0);
+  stages.push_back([host, gathered, part]() mutable {
+    AllGatherOptions o;
+    o.async = true;
+    return host->all_gather(gathered, part, o);
+  });
+  stages.push_back([output, gathered, order, n, c]() mutable {
+    output.view({n, c}).index_copy_(0, order, gathered.view({n, c}));
+    return completed_work();
+  });
+  return submit(std::move(stages), options.async);
+}
+
+WorkPtr HierarchicalCommunicator::submit(std::vector<std::function<WorkPtr()>> stages, bool async) {
   // Note [One reduction at a time]
   // Several reductions may be in flight (ShardedModule posts one per bucket
   // during backward), each advancing whenever its caller polls it. Were
@@ -207,7 +311,7 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
   WorkPtr after = last_.lock();
   auto work = std::make_shared<StagedWork>(std::move(stages), std::move(after));
   last_ = work;
-  if (!options.async) work->wait();
+  if (!async) work->wait();
   return work;
 }
 

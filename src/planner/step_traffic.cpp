@@ -311,20 +311,30 @@ void route_through_hosts(Traffic& traffic, const Plan& plan) {
   for (const Collective& x : traffic.items()) {
     const int n = x.size, per_node = x.per_node, hosts = x.nodes;
     const double m = x.calls > 0 ? x.bytes / x.calls / e : 0;  // elements per call
-    const bool routes = x.group == data && x.op == OpType::kAllReduce && n >= 4 && hosts > 1 && per_node >= 2 &&
-                        hosts * per_node == n && m >= static_cast<double>(comm::HierarchicalCommunicator::kMinElements);
+    const bool staged_op = x.op == OpType::kAllReduce || x.op == OpType::kReduceScatter || x.op == OpType::kAllGather;
+    // The data group and its splits (ZeRO's shard levels, replica groups).
+    const bool of_data = x.group == data || x.group.rfind(data + ".", 0) == 0;
+    const double min_elements =
+        x.op == OpType::kAllReduce ? static_cast<double>(comm::HierarchicalCommunicator::kMinElements) : 1;
+    const bool routes = of_data && x.mode == ParallelMode::kData && staged_op && n >= 4 && hosts > 1 && per_node >= 2 &&
+                        hosts * per_node == n && m >= min_elements;
     if (!routes) {
       kept.push_back(x);
       continue;
     }
     const double piece = std::ceil(m / n);
-    for (OpType op : {OpType::kReduceScatter, OpType::kAllGather})
-      routed.add(x.component, x.mode, data + ".host", per_node, op, x.calls, piece * n, e, x.overlapped);
+    if (x.op == OpType::kAllReduce) {
+      for (OpType op : {OpType::kReduceScatter, OpType::kAllGather})
+        routed.add(x.component, x.mode, x.group + ".host", per_node, op, x.calls, piece * n, e, x.overlapped);
+    } else {  // Note [Scatters and gathers by host]: the same collective inside the host
+      routed.add(x.component, x.mode, x.group + ".host", per_node, x.op, x.calls, m, e, x.overlapped);
+    }
+    const double steps = (x.op == OpType::kAllReduce ? 2.0 : 1.0) * (hosts - 1) * x.calls;
     for (OpType op : {OpType::kSend, OpType::kRecv})
-      routed.add(x.component, x.mode, data + ".cross", hosts, op, 2.0 * (hosts - 1) * x.calls, piece, e, x.overlapped);
+      routed.add(x.component, x.mode, x.group + ".cross", hosts, op, steps, piece, e, x.overlapped);
   }
   for (Collective& y : routed.items()) {
-    const bool cross = y.group == data + ".cross";
+    const bool cross = y.group.size() > 6 && y.group.compare(y.group.size() - 6, 6, ".cross") == 0;
     y.nodes = cross ? y.size : 1;
     y.per_node = cross ? 1 : y.size;
     kept.push_back(y);

@@ -1,6 +1,7 @@
 #pragma once
-// A decorator for a group whose ranks sit on several hosts: all_reduce of a
-// large tensor goes inside each host first and across hosts once.
+// A decorator for a group whose ranks sit on several hosts: all_reduce,
+// reduce_scatter and all_gather of a large tensor go inside each host and
+// across hosts once.
 //
 // Note [Reductions inside a host first]
 // A flat all-reduce of n bytes over a group of H hosts with L ranks each
@@ -18,11 +19,34 @@
 // Steps 1 and 3 use the links inside a host (shared memory), step 2 the
 // slow ones. Tensors under kMinElements stay flat: their time is latency,
 // which more steps would multiply. The averaged reduction averages inside a
-// host, then across hosts: the mean of equal-sized means. Every other
-// operation, and splits, go to the inner communicator unchanged.
+// host, then across hosts: the mean of equal-sized means.
+//
+// Note [Scatters and gathers by host]
+// ZeRO's reduce-scatter and all-gather (chunk c per rank, n = H·L·c) cross
+// the hosts once too, each rank sending (H-1)·c, so (H-1)/H · n bytes leave
+// a host, as for a flat ring but without relying on MPI's choice of
+// algorithm (a flat reduce-scatter plus all-gather of 3.4 MB sent 10 MB out
+// of each of 2 hosts of 4 ranks):
+//   reduce-scatter: reorder the input to [local index][host] (its chunk for
+//   group rank g(h, l) to place l·H + h), reduce-scatter inside the host (a
+//   rank gets the host's sum of the H chunks of the ranks with its local
+//   index), then a ring reduce-scatter across hosts leaves it its own chunk;
+//   all-gather: a ring all-gather across hosts first (the H chunks of the
+//   ranks with this local index: c per rank crosses, not L·c), then an
+//   all-gather inside the host, and the reverse reordering.
+// They are staged at any size: ZeRO issues them once per unit (layer), so
+// the extra stages' latency is paid a few times a step, and a ring of H - 1
+// steps across hosts is no slower than a flat collective's steps over all
+// ranks; the planner then routes every one of them (Note [Reductions across
+// nodes in the plan]) without knowing the units' sizes.
+// Every other operation goes to the inner communicator unchanged.
 #include "tessera/comm/communicator.h"
 
+#include <ATen/core/Tensor.h>
+
+#include <functional>
 #include <memory>
+#include <vector>
 
 namespace tessera {
 namespace comm {
@@ -55,13 +79,9 @@ class HierarchicalCommunicator : public Communicator {
   WorkPtr reduce(at::Tensor& tensor, const ReduceOptions& options = {}) override {
     return inner_->reduce(tensor, options);
   }
-  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {}) override {
-    return inner_->all_gather(output, input, options);
-  }
+  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {}) override;
   WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
-                         const ReduceScatterOptions& options = {}) override {
-    return inner_->reduce_scatter(output, input, options);
-  }
+                         const ReduceScatterOptions& options = {}) override;
   WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {}) override {
     return inner_->all_to_all(output, input, options);
   }
@@ -75,16 +95,24 @@ class HierarchicalCommunicator : public Communicator {
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override { return inner_->batch_isend_irecv(ops); }
   bool sends_wait_for_receiver() const override { return inner_->sends_wait_for_receiver(); }
   CommunicatorPtr control() override { return inner_->control(); }
-  CommunicatorPtr split(int color, int key, const std::string& name) override {
-    return inner_->split(color, key, name);
-  }
+  // A sub-group that spans hosts evenly is hierarchical too (ZeRO's shard
+  // levels of the data group); others are the inner communicator's split.
+  CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
-  HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross);
+  HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross,
+                           at::Tensor by_local_index, int host_id);
+  // Runs the stages after the group's previous staged operation (Note [One
+  // reduction at a time] in the source).
+  WorkPtr submit(std::vector<std::function<WorkPtr()>> stages, bool async);
 
   CommunicatorPtr inner_;
   CommunicatorPtr host_;
   CommunicatorPtr cross_;
+  // Group ranks in [local index][host] order: entry l·H + h is the rank
+  // with local index l on host h (Note [Scatters and gathers by host]).
+  at::Tensor by_local_index_;
+  int host_id_;  // wrap's `host`, for splits
   // The last reduction issued; the next starts after it (Note [One
   // reduction at a time] in the source). Dropped works have completed.
   std::weak_ptr<Work> last_;

@@ -121,14 +121,18 @@ Traffic predict_traffic(const ModelDesc& model, const Plan& plan, int global_ran
 void place(Traffic& traffic, const Plan& plan, int gpus_per_node, int global_rank = 0);
 
 // Note [Reductions across nodes in the plan]
-// What comm::HierarchicalCommunicator does to the data group's all-reduces
-// when the group spans nodes, evenly with L >= 2 of its n >= 4 ranks on
+// What comm::HierarchicalCommunicator does to the collectives of the data
+// group and of its splits (ZeRO's shard levels, replica groups; "<group>"
+// below) when the group spans nodes, evenly with L >= 2 of its n >= 4 ranks on
 // each of H nodes: a call of m >= its kMinElements elements becomes a
 // reduce-scatter and an all-gather of the padded tensor (m rounded up to a
-// multiple of n) on "data.host" (L ranks, inside the node) and a ring of
-// 2(H - 1) sends and receives of m/n elements on "data.cross" (H ranks, one
-// per node). Calls under the threshold stay flat. Reads the nodes place()
-// filled in.
+// multiple of n) on "<group>.host" (L ranks, inside the node) and a ring of
+// 2(H - 1) sends and receives of m/n elements on "<group>.cross" (H ranks,
+// one per node). Its reduce-scatters and all-gathers of m elements (the
+// whole tensor) stay the same collective on "<group>.host" and add H - 1
+// sends and receives of m/n elements on "<group>.cross" (Note [Scatters and
+// gathers by host]), at any size. All-reduces under the threshold stay
+// flat. Reads the nodes place() filled in.
 void route_through_hosts(Traffic& traffic, const Plan& plan);
 
 // The ranks of the group a rank's gradients are reduced over (data, or data
