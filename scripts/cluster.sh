@@ -94,8 +94,12 @@ rate_bytes() {
 # tbf limits the rate. Its bucket holds 2 ms at the rate (at least 64 KiB, so
 # that a veth's 64 KiB segments pass), which lets a message shorter than that
 # leave at once, as on a real link whose serialization time is that short.
-# Delay and loss need netem, which some kernels (this machine's among them)
-# are built without: asked for there, they are refused, not ignored.
+# Loss is dropped by nftables where a packet arrives (a netdev ingress rule
+# on DEV drawing a random number per packet), so it needs no netem: with
+# DEV the host's eth0 and the switch's port, each direction of the link
+# loses PCT % of its packets, sent one MTU each (gso_max_segs 1) while a
+# loss is set. Delay needs netem, which some kernels (this machine's among
+# them) are built without: asked for there, it is refused, not ignored.
 shape_dev() {
   local ns="$1" dev="$2" bytes burst
   bytes=$(rate_bytes "$rate")
@@ -103,15 +107,31 @@ shape_dev() {
   ((burst >= 65536)) || burst=65536
   ip -n "$ns" link set "$dev" up
   tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
-  if [[ -n "$delay$loss" ]]; then
-    local netem=(netem)
-    [[ -n "$delay" ]] && netem+=(delay "${delay}ms")
-    [[ -n "$loss" ]] && netem+=(loss "${loss}%")
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: "${netem[@]}" 2>/dev/null ||
-      die "--delay/--loss need the kernel's netem queueing discipline (sch_netem), which this kernel lacks ('tc qdisc add ... netem' is refused); shape the rate alone"
+  if [[ -n "$delay" ]]; then
+    [[ "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--delay '$delay' must be milliseconds (e.g. 10)"
+    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "${delay}ms" 2>/dev/null ||
+      die "--delay needs the kernel's netem queueing discipline (sch_netem), which this kernel lacks ('tc qdisc add ... netem' is refused); shape the rate and loss alone"
     tc -n "$ns" qdisc add dev "$dev" parent 1:1 handle 10: tbf rate "$rate" burst "$burst" latency 200ms
   else
     tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst" latency 200ms
+  fi
+  ip netns exec "$ns" nft delete table netdev "loss_$dev" 2>/dev/null || true
+  # A veth passes TCP's 64 KiB segments whole; under loss each frame must be
+  # one packet of the MTU, as on a wire, or a drop would take 44 of them.
+  ip -n "$ns" link set "$dev" gso_max_segs "$([[ -n "$loss" ]] && echo 1 || echo 65535)"
+  if [[ -n "$loss" ]]; then
+    local per100k
+    per100k=$(awk -v p="$loss" 'BEGIN { if (p !~ /^[0-9]+(\.[0-9]+)?$/ || p + 0 > 100) exit 1; printf "%d", p * 1000 + 0.5 }') ||
+      die "--loss '$loss' must be a percentage from 0 to 100 (e.g. 1)"
+    command -v nft >/dev/null || die "--loss needs nft (Debian package nftables)"
+    ip netns exec "$ns" nft -f - <<EOF || die "nftables refused the loss rule on $dev in $ns (the kernel needs nf_tables with the netdev family)"
+table netdev loss_$dev {
+  chain ingress {
+    type filter hook ingress device "$dev" priority 0; policy accept;
+    numgen random mod 100000 < $per100k counter drop
+  }
+}
+EOF
   fi
 }
 
@@ -233,6 +253,10 @@ up() {
     ip -n "$switch" link add "h$i" type veth peer name eth0 netns "$ns"
     ip -n "$switch" link set "h$i" master br0
     ip -n "$ns" addr add "10.231.0.$((i + 1))/24" dev eth0
+    # A peer that acknowledges nothing for about 25 s (a cut link) is given
+    # up by TCP, instead of after 15 retries (over 15 minutes): mpirun then
+    # learns that a host's daemon is gone and ends the job.
+    ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_retries2=6
     shape_dev "$ns" eth0
     shape_dev "$switch" "h$i"
     echo "$ns slots=$ranks" >>"$state/hostfile"
@@ -301,6 +325,12 @@ run() {
   [[ ! -e "$state/slurm.conf" ]] || export SLURM_CONF="$state/slurm.conf"
   export OMPI_MCA_plm_rsh_agent="$state/agent" OMPI_MCA_orte_default_hostfile="$state/hostfile" \
     OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0
+  # Open MPI notices a daemon it cannot reach by TCP keepalive, after 8
+  # minutes by default: a cut link would leave mpirun waiting that long for
+  # the cut host's daemon. 10 s idle, then 3 probes 2 s apart (unless set).
+  export OMPI_MCA_oob_tcp_keepalive_time="${OMPI_MCA_oob_tcp_keepalive_time:-10}" \
+    OMPI_MCA_oob_tcp_keepalive_intvl="${OMPI_MCA_oob_tcp_keepalive_intvl:-2}" \
+    OMPI_MCA_oob_tcp_keepalive_probes="${OMPI_MCA_oob_tcp_keepalive_probes:-3}"
   in_host "$host" "$@"
 }
 

@@ -9,7 +9,7 @@ packages=(
   libopenblas0-pthread    # switches libblas.so.3 away from the reference BLAS
   libopenmpi-dev openmpi-bin
   libfmt-dev nlohmann-json3-dev libgtest-dev libcli11-dev
-  iproute2 slurmd slurmctld slurm-client munge  # the emulated cluster (scripts/cluster.sh)
+  iproute2 nftables slurmd slurmctld slurm-client munge  # the emulated cluster (scripts/cluster.sh)
   "$@"
 )
 

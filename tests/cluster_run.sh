@@ -22,16 +22,8 @@ name=c${launcher:0:1}$$
 name=${name:0:8}
 rm -rf "$out" && mkdir -p "$out"
 
-skip() {
-  echo "[tessera-skip] np4: $*"
-  exit 77
-}
-[ "$(id -u)" -eq 0 ] || skip "the emulated cluster needs root for network namespaces"
-# A machine whose kernel or container refuses namespaces cannot host it.
-if ! ip netns add "$name-probe" 2> "$out/probe.log"; then
-  skip "this machine refuses network namespaces: $(cat "$out/probe.log")"
-fi
-ip netns del "$name-probe"
+. "$(dirname "$0")/cluster_common.sh"
+require_namespaces "$name" "$out"
 if [ "$launcher" = srun ]; then
   for tool in slurmctld slurmd srun munged; do
     command -v $tool > /dev/null || skip "srun needs $tool (scripts/install-deps.sh installs Slurm and munge)"
