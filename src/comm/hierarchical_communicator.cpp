@@ -74,15 +74,15 @@ class StagedWork : public Work {
 // the previous, adding it in (reduce-scatter), then p-1 steps passing the
 // reduced pieces on (all-gather). The reductions run on this rank, in ring
 // order, so every rank ends with the same values.
-// Afterwards this rank's piece r + shift of `data` (p pieces) holds the
-// reduction over every rank of the ring.
+// Afterwards piece r of `data` (p pieces), r this rank's index in the ring,
+// holds the reduction over every rank of the ring.
 void append_ring_reduce_scatter(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
-                                const at::Tensor& data, ReduceOp op, int shift) {
+                                const at::Tensor& data, ReduceOp op) {
   const int p = ring->size();
-  const int r = ring->rank() + shift;
+  const int r = ring->rank();
   TORCH_INTERNAL_ASSERT(data.numel() % p == 0);
   const int64_t piece = data.numel() / p;
-  const int next = (ring->rank() + 1) % p, prev = (ring->rank() + p - 1) % p;
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
   auto slice = [data, piece, p](int i) { return data.narrow(0, ((i % p) + p) % p * piece, piece); };
   at::Tensor incoming = at::empty({piece}, data.options());
   for (int step = 0; step < p - 1; ++step) {
@@ -119,13 +119,13 @@ void append_ring_reduce_scatter(std::vector<std::function<WorkPtr()>>& stages, c
   }
 }
 
-// This rank's piece r + shift of `data` is complete; afterwards every piece is.
+// Piece r of `data` is complete on rank r of the ring; afterwards every piece is.
 void append_ring_all_gather(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
-                            const at::Tensor& data, int shift) {
+                            const at::Tensor& data) {
   const int p = ring->size();
-  const int r = ring->rank() + shift;
+  const int r = ring->rank();
   const int64_t piece = data.numel() / p;
-  const int next = (ring->rank() + 1) % p, prev = (ring->rank() + p - 1) % p;
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
   auto slice = [data, piece, p](int i) { return data.narrow(0, ((i % p) + p) % p * piece, piece); };
   for (int step = 0; step < p - 1; ++step) {
     stages.push_back([ring, slice, next, prev, r, step]() {
@@ -221,8 +221,8 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
     return host->reduce_scatter(part, buffer, o);
   });
   // Across hosts: a ring on point-to-point messages (Note [A ring across hosts]).
-  append_ring_reduce_scatter(stages, cross, part, op, 0);
-  append_ring_all_gather(stages, cross, part, 0);
+  append_ring_reduce_scatter(stages, cross, part, op);
+  append_ring_all_gather(stages, cross, part);
   stages.push_back([host, buffer, part]() mutable {
     AllGatherOptions o;
     o.async = true;
@@ -257,7 +257,7 @@ WorkPtr HierarchicalCommunicator::reduce_scatter(at::Tensor& output, const at::T
     o.async = true;
     return host->reduce_scatter(part, reordered.view({-1}), o);
   });
-  append_ring_reduce_scatter(stages, cross_, part, op, 0);
+  append_ring_reduce_scatter(stages, cross_, part, op);
   const int64_t mine = cross_->rank();
   stages.push_back([output, part, mine, c]() mutable {
     output.view({-1}).copy_(part.narrow(0, mine * c, c));
@@ -283,7 +283,7 @@ WorkPtr HierarchicalCommunicator::all_gather(at::Tensor& output, const at::Tenso
     part.narrow(0, mine * c, c).copy_(input.view({-1}));
     return completed_work();
   });
-  append_ring_all_gather(stages, cross_, part, 0);
+  append_ring_all_gather(stages, cross_, part);
   stages.push_back([host, gathered, part]() mutable {
     AllGatherOptions o;
     o.async = true;
