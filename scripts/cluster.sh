@@ -256,7 +256,8 @@ up() {
     # A peer that acknowledges nothing for about 25 s (a cut link) is given
     # up by TCP, instead of after 15 retries (over 15 minutes): mpirun then
     # learns that a host's daemon is gone and ends the job.
-    ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_retries2=6
+    ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_retries2=6 2>/dev/null ||
+      echo "cluster.sh: this kernel keeps net.ipv4.tcp_retries2 global; after a cut link mpirun may wait minutes" >&2
     shape_dev "$ns" eth0
     shape_dev "$switch" "h$i"
     echo "$ns slots=$ranks" >>"$state/hostfile"

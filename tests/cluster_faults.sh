@@ -22,6 +22,12 @@ rm -rf "$out" && mkdir -p "$out"
 . "$(dirname "$0")/cluster_common.sh"
 require_namespaces "$name" "$out"
 command -v nft > /dev/null || skip "packet loss needs nft (scripts/install-deps.sh installs nftables)"
+# A kernel without nf_tables' netdev family cannot drop packets on a link.
+ip netns add "$name-probe" && ip netns exec "$name-probe" nft add table netdev probe 2> "$out/probe.log" || {
+  ip netns del "$name-probe" 2> /dev/null
+  skip "this kernel refuses nftables' netdev tables, which drop the packets: $(cat "$out/probe.log")"
+}
+ip netns del "$name-probe"
 
 trap 'bash "$cluster" down --name "$name" > /dev/null 2>&1' EXIT
 bash "$cluster" up --name "$name" --hosts 2 --ranks 2 --rate 1gbit > /dev/null || {
