@@ -229,6 +229,12 @@ def main():
         ap.error("BUILD_DIR is needed unless --rows is given")
     if a.steps < 4:
         ap.error(f"--steps {a.steps}: at least 4 (the first two are warm-up)")
+    topologies = []
+    for topo in a.topologies.split(","):
+        hosts, _, ranks = topo.partition("x")
+        if not (hosts.isdigit() and ranks.isdigit() and int(hosts) >= 2 and int(ranks) >= 1):
+            ap.error(f"--topologies: '{topo}' is not HOSTSxRANKS with at least 2 hosts (e.g. 2x4)")
+        topologies.append((int(hosts), int(ranks)))
     systems = [("{R,P(host),S}" if s == "mix" else s) for s in a.systems.split(",")]
     for s in systems:
         if s not in TESSERA + TORCH:
@@ -242,8 +248,7 @@ def main():
     name = f"cc{os.getpid() % 100000}"
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
-        for topo in a.topologies.split(","):
-            hosts, ranks = (int(x) for x in topo.split("x"))
+        for hosts, ranks in topologies:
             for rate in a.rates.split(","):
                 cluster("up", "--name", name, "--hosts", str(hosts), "--ranks", str(ranks), "--rate", rate)
                 counters = SwitchCounters(name)
