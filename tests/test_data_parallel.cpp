@@ -547,6 +547,19 @@ TEST_F(DataParallelOptions, FullParametersAreFreedOutsideForwardAndBackward) {
   EXPECT_EQ(sharded->memory().params, shard_bytes);
 }
 
+// Note [The first bucket]: with the default 25 MiB buckets, the first
+// closes once it holds 1 MiB (the last layer's bias and its 1 MiB matrix,
+// in backward's order) and the rest share the second.
+TEST(ShardedModuleBuckets, TheFirstBucketClosesAtOneMiB) {
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) model->push_back(torch::nn::Linear(512, 512));
+  auto sharded = std::make_shared<ShardedModule>(model.ptr(), data_context(), ShardedModuleOptions());
+  ASSERT_EQ(sharded->num_buckets(), 2u);
+  const int64_t layer = 512 * 512 + 512;
+  EXPECT_EQ(sharded->bucket(0).used(), layer) << "the last layer, bias and weight";
+  EXPECT_EQ(sharded->bucket(1).used(), 3 * layer);
+}
+
 TEST(ShardingSpec, PresetsParseAndPrint) {
   EXPECT_EQ(ShardingSpec::parse("ddp").to_string(), "{R,R,R}");
   EXPECT_EQ(ShardingSpec::parse("zero1").to_string(), "{R,R,S}");

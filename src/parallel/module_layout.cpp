@@ -10,6 +10,20 @@ namespace tessera {
 namespace parallel {
 namespace {
 
+// Note [The first bucket]
+// Replicated gradients fill buckets in the order backward produces them,
+// so the first bucket's reduction can run while the rest of backward
+// computes; if it is as large as the others (25 MiB), a model under 25 MiB
+// has one bucket, reduced after backward, with nothing to hide behind.
+// PyTorch's DDP closes its first bucket once it holds 1 MiB for that
+// reason; so do we (at bucket_bytes, if smaller). Closing after the tensor
+// that reaches it, not before, keeps a bias from being a bucket alone in
+// front of a large matrix. Across 2 hosts of 4 ranks at 200 Mbit/s
+// the 3.4 MB demo GPT's DDP step took 651 ms with one bucket, 610 ms with
+// the first at 1 MiB (medians of 2 runs) and 514-571 ms with every bucket
+// at 1 MiB (--bucket-mb 1: more overlap, more calls).
+constexpr int64_t kFirstBucketBytes = int64_t(1) << 20;
+
 ParamSlot make_slot(std::string name, const at::Tensor& param) {
   ParamSlot slot;
   slot.name = std::move(name);
@@ -140,6 +154,7 @@ class BucketPlanner {
     std::reverse(slots.begin(), slots.end());
     PlannedBucket current{{}, layout, partial_groups};
     int64_t bytes = 0;
+
     auto flush = [&] {
       if (current.slots.empty()) return;
       made.push_back(m_.buckets.size());
@@ -155,6 +170,8 @@ class BucketPlanner {
       if (!last.empty() && (!same_kind || (cap_bytes > 0 && bytes + b > cap_bytes))) flush();
       bytes += b;
       current.slots.push_back(std::move(slot));
+      // Note [The first bucket]
+      if (made.empty() && cap_bytes > 0 && bytes >= std::min(cap_bytes, kFirstBucketBytes)) flush();
     }
     flush();
     return made;

@@ -46,7 +46,8 @@ std::string level_group(const std::string& base, const std::vector<int>& chain, 
 // One bucket set of `numel` elements sharded by `spec` over a group of n
 // ranks named `base` (the data group, or expert_data for experts).
 // Buckets: one per unit (layer) once anything is sharded, else DDP's
-// bucket_bytes (25 MiB) buckets; each collective below runs once per bucket.
+// buckets (1 MiB, then 25 MiB); each collective below runs once per bucket,
+// with the mean bucket's size.
 void sharded_traffic(const Plan& plan, ParallelMode mode, const std::string& base, int n, double numel,
                      double gathers, double units, bool prefetched, Traffic& out) {
   if (numel <= 0 || n <= 1) return;
@@ -54,7 +55,11 @@ void sharded_traffic(const Plan& plan, ParallelMode mode, const std::string& bas
   const std::vector<int> chain = chain_of(d);
   const double e = element_bytes(plan);
   const bool sharded = d.optim > 1;
-  const double buckets = sharded ? std::max(1.0, units) : std::max(1.0, std::ceil(numel * e / (25 << 20)));
+  // DDP's buckets: the first of 1 MiB, then 25 MiB (Note [The first bucket]).
+  const double bytes = numel * e, first = 1 << 20;
+  const double buckets = sharded          ? std::max(1.0, units)
+                         : bytes <= first ? 1.0
+                                          : 1.0 + std::ceil((bytes - first) / (25 << 20));
   auto level_op = [&](const std::string& comp, int level, OpType op, double times, bool overlapped) {
     out.add(comp, mode, level_group(base, chain, level), chain[level] / chain[level - 1], op, times * buckets,
             numel / chain[level - 1] / buckets, e, overlapped);
