@@ -48,17 +48,25 @@ inline double time_ms(const std::function<void()>& fn, const Timing& t, MPI_Comm
   return rounds[rounds.size() / 2];
 }
 
-// "1,2,4" -> {1, 2, 4}: positive integers separated by commas, the value of `flag`.
-inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag) {
-  std::vector<int64_t> out;
+// "a,b,c" -> {"a", "b", "c"}; an empty item stays empty.
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
   size_t begin = 0;
   while (begin <= text.size()) {
     const size_t end = std::min(text.find(',', begin), text.size());
-    const std::string item = text.substr(begin, end - begin);
+    out.push_back(text.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  return out;
+}
+
+// "1,2,4" -> {1, 2, 4}: positive integers separated by commas, the value of `flag`.
+inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(text)) {
     TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos, flag,
                 " takes positive integers separated by commas, got '", text, "'");
     out.push_back(std::stoll(item));
-    begin = end + 1;
   }
   return out;
 }

@@ -15,6 +15,14 @@
 //                           (docs/expert-parallel.md)
 //   max_over_mean           the most assignments routed to one expert over
 //                           the mean, worst layer, in the timed steps' last
+//   expert_compute          grouped (each expert over exactly its rows) or
+//                           padded (every local expert to the busiest);
+//                           each expert size runs both by default
+//   rows_routed, rows_computed  rows the experts were routed and ran in the
+//                           timed steps' last forward, all ranks and layers
+//   expert_gflop            the experts' matmul FLOPs of one step (forward
+//                           and backward, 6 per weight and row computed),
+//                           padding included, against expert_gflop_routed
 //   params, active_params   parameters in all, and used per token
 // Then --train-steps of training at the largest expert size with and
 // without the load-balancing loss, one line every 5 steps: loss, max/mean
@@ -45,10 +53,10 @@ using tessera::context::ParallelConfig;
 using tessera::context::ParallelMode;
 
 struct Args {
-  int64_t experts = 8, top_k = 1, moe_every = 2, capacity = 0;
+  int64_t experts = 8, top_k = 1, moe_every = 2, capacity = 0, skew = 0;
   int64_t layers = 4, hidden = 128, heads = 4, seq = 64, batch = 16, vocab = 512, train_steps = 40;
   int64_t steps = 3, warmup = 1, rounds = 3;
-  std::string eps = "1,2,4";
+  std::string eps = "1,2,4", computes = "grouped,padded";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
@@ -63,6 +71,10 @@ tessera::cli::Command command(Args& a) {
   c.add("moe-every", &a.moe_every, "every n-th block has experts");
   c.add("capacity", &a.capacity,
         "capacity factor in percent, e.g. 125 for 1.25 x an even share of the tokens; 0: dropless");
+  c.add("skew", &a.skew,
+        "skewed routing: the router rows of experts >= K are zeroed, so experts 0..K-1 and expert K (the tie) take "
+        "the tokens; 0: the router as initialized");
+  c.add("expert-compute", &a.computes, "expert computes to run at each expert size: grouped, padded or both");
   c.add("train-steps", &a.train_steps, "training steps of the balance runs, with and without the balancing loss");
   c.group("Model");
   c.add("layers", &a.layers, "GPT blocks");
@@ -75,7 +87,7 @@ tessera::cli::Command command(Args& a) {
   return c;
 }
 
-tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts) {
+tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts, tessera::nn::MoEExpertCompute compute) {
   tessera::models::GPTConfig c;
   c.vocab(a.vocab);
   c.context(a.seq);
@@ -83,8 +95,10 @@ tessera::models::GPTConfig gpt_config(const Args& a, int64_t experts) {
   c.heads(a.heads);
   c.hidden(a.hidden);
   c.experts(experts);
+  if (experts == 0) return c;  // the dense model: MoE options on it are refused
   c.top_k(a.top_k);
   c.moe_every(a.moe_every);
+  c.expert_compute(compute);
   if (a.capacity > 0) c.capacity_factor() = static_cast<double>(a.capacity) / 100.0;
   return c;
 }
@@ -105,13 +119,19 @@ struct Run {
   tessera::context::ParallelContextPtr ctx;
 };
 
-Run make_run(const tessera::comm::CommunicatorPtr& world, const Args& a, int64_t ep, int64_t experts, double aux_coef) {
+Run make_run(const tessera::comm::CommunicatorPtr& world, const Args& a, int64_t ep, int64_t experts, double aux_coef,
+             tessera::nn::MoEExpertCompute compute = tessera::nn::MoEExpertCompute::kGrouped) {
   Run r;
   r.ctx = tessera::context::ParallelContext::create(world, ParallelConfig().expert(static_cast<int>(ep)));
   torch::manual_seed(0);
-  auto config = gpt_config(a, experts);
+  auto config = gpt_config(a, experts, compute);
   config.aux_loss_coef(aux_coef);
   r.gpt = std::make_shared<tessera::models::GPTImpl>(config, tessera::nn::make_layer_factory(r.ctx));
+  if (a.skew > 0) {
+    at::NoGradGuard no_grad;
+    for (auto& p : r.gpt->named_parameters())
+      if (p.key().find("router.weight") != std::string::npos) p.value().narrow(0, a.skew, experts - a.skew).zero_();
+  }
   auto adamw = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);
@@ -143,6 +163,8 @@ int run(const Args& a) {
   auto world = tessera::comm::make_world_communicator(world_options);
   const int n = world->size(), rank = world->rank();
   TORCH_CHECK(a.batch % n == 0, "--batch ", a.batch, " must divide over the ", n, " data ranks");
+  TORCH_CHECK(a.skew >= 0 && a.skew < a.experts, "--skew ", a.skew, " must be in [0, --experts ", a.experts,
+              "): the router rows kept (0: all)");
   std::vector<int64_t> eps;
   for (int64_t ep : bench::parse_int_list(a.eps, "--eps"))
     if (n % ep == 0 && a.experts % ep == 0) eps.push_back(ep);
@@ -152,12 +174,20 @@ int run(const Args& a) {
   const double mlp_params = static_cast<double>(8 * h * h + 5 * h);
   auto local_rows = [&](const at::Tensor& t) { return t.narrow(0, world->rank() * local, local); };
 
+  using tessera::nn::MoEExpertCompute;
+  std::vector<std::pair<std::string, MoEExpertCompute>> computes;
+  for (const auto& name : bench::split_list(a.computes)) {
+    TORCH_CHECK(name == "grouped" || name == "padded", "--expert-compute: '", name,
+                "' is not an expert compute; use grouped, padded or grouped,padded");
+    computes.emplace_back(name, name == "grouped" ? MoEExpertCompute::kGrouped : MoEExpertCompute::kPadded);
+  }
   // ep 0 stands for the dense model.
-  std::vector<int64_t> runs = {0};
-  runs.insert(runs.end(), eps.begin(), eps.end());
-  for (int64_t ep : runs) {
+  std::vector<std::pair<int64_t, std::pair<std::string, MoEExpertCompute>>> runs = {{0, computes.front()}};
+  for (int64_t ep : eps)
+    for (const auto& c : computes) runs.emplace_back(ep, c);
+  for (const auto& [ep, compute] : runs) {
     const bool dense = ep == 0;
-    Run r = make_run(world, a, dense ? 1 : ep, dense ? 0 : a.experts, 1e-2);
+    Run r = make_run(world, a, dense ? 1 : ep, dense ? 0 : a.experts, 1e-2, compute.second);
     uint64_t step = 0;
     auto train_step = [&] {
       auto [x, y] = batch(a, 1000 + step++);
@@ -184,15 +214,29 @@ int run(const Args& a) {
     const double active =
         dense ? params
               : params - static_cast<double>(moe_layers) * static_cast<double>(a.experts - a.top_k) * mlp_params;
+    // The rows the experts ran in the last forward, summed over layers and ranks.
+    at::Tensor expert_rows = at::zeros({2}, at::kDouble);
+    for (const auto& st : r.gpt->moe_stats()) {
+      expert_rows[0] += static_cast<double>(st.rows_routed);
+      expert_rows[1] += static_cast<double>(st.rows_computed);
+    }
+    world->all_reduce(expert_rows);
+    const double routed = expert_rows[0].item<double>(), computed = expert_rows[1].item<double>();
+    const double expert_flops_per_row = 6.0 * 8.0 * static_cast<double>(h * h);  // c_fc and c_proj, 4h wide
     if (rank == 0) {
       fmt::print(
           "{{\"bench\": \"moe\", \"model\": \"{}\", \"config\": \"L{}-h{}-a{}-s{}-b{}-v{}\", \"ranks\": {}, "
-          "\"ep\": {}, \"experts\": {}, \"top_k\": {}, \"moe_every\": {}, \"capacity\": {}, \"step_ms\": {:.2f}, "
-          "\"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, \"a2a_balanced_bytes\": {:.0f}, "
-          "\"max_over_mean\": {:.3f}, \"params\": {:.0f}, \"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
+          "\"ep\": {}, \"experts\": {}, \"top_k\": {}, \"moe_every\": {}, \"capacity\": {}, \"skew\": {}, "
+          "\"expert_compute\": "
+          "\"{}\", \"step_ms\": {:.2f}, \"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, "
+          "\"a2a_balanced_bytes\": {:.0f}, \"max_over_mean\": {:.3f}, \"rows_routed\": {:.0f}, \"rows_computed\": "
+          "{:.0f}, \"expert_gflop\": {:.4f}, \"expert_gflop_routed\": {:.4f}, \"params\": {:.0f}, "
+          "\"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
           dense ? "dense" : "moe", a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, dense ? 0 : ep,
-          dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, step_ms, a.batch * a.seq / (step_ms / 1000.0),
-          a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt), params, active, initial);
+          dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, a.skew, dense ? "" : compute.first, step_ms,
+          a.batch * a.seq / (step_ms / 1000.0), a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt),
+          routed, computed, computed * expert_flops_per_row / 1e9, routed * expert_flops_per_row / 1e9, params, active,
+          initial);
       std::fflush(stdout);
     }
   }

@@ -54,6 +54,8 @@ struct ReferenceGPTConfig {
   bool renormalize = false;
   double aux_loss_coef = 0;
   double z_loss_coef = 0;
+  int64_t shared_expert_ffn = 0;  // the shared experts' width; 0: none
+  bool shared_expert_gate = false;
 };
 
 // From any config with these fields (models::GPTConfig), without naming it.
@@ -73,6 +75,8 @@ ReferenceGPTConfig reference_config(const Config& c) {
   r.renormalize = c.renormalize();
   r.aux_loss_coef = c.aux_loss_coef();
   r.z_loss_coef = c.z_loss_coef();
+  r.shared_expert_ffn = c.shared_expert_ffn();
+  r.shared_expert_gate = c.shared_expert_gate();
   return r;
 }
 
@@ -137,9 +141,10 @@ struct AttentionImpl : torch::nn::Module {
 };
 
 struct MLPImpl : torch::nn::Module {
-  explicit MLPImpl(int64_t hidden) {
-    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(hidden, 4 * hidden));
-    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(4 * hidden, hidden));
+  explicit MLPImpl(int64_t hidden, int64_t width = 0) {
+    if (width == 0) width = 4 * hidden;
+    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(hidden, width));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(width, hidden));
   }
   torch::Tensor forward(const torch::Tensor& x) { return c_proj->forward(at::gelu(c_fc->forward(x))); }  // exact GELU
   std::shared_ptr<LinearImpl> c_fc, c_proj;
@@ -154,12 +159,17 @@ struct ExpertsLinearImpl : torch::nn::Module {
   torch::Tensor weight, bias;
 };
 
-// Dropless top-k mixture of 4h GELU experts over all tokens of the call.
+// Dropless top-k mixture of 4h GELU experts over all tokens of the call,
+// plus, by option, a shared GELU MLP on every token, gated by sigmoid(g · x).
 struct MoEImpl : torch::nn::Module {
   MoEImpl(int64_t hidden, const ReferenceGPTConfig& c) : experts(c.experts), top_k(c.top_k), renorm(c.renormalize) {
     router = register_module("router", std::make_shared<TableImpl>(experts, hidden));
     c_fc = register_module("c_fc", std::make_shared<ExpertsLinearImpl>(experts, hidden, 4 * hidden));
     c_proj = register_module("c_proj", std::make_shared<ExpertsLinearImpl>(experts, 4 * hidden, hidden));
+    if (c.shared_expert_ffn > 0)
+      shared = register_module("shared_expert", std::make_shared<MLPImpl>(hidden, c.shared_expert_ffn));
+    if (c.shared_expert_gate)
+      shared_gate = register_module("shared_expert_gate", std::make_shared<TableImpl>(1, hidden));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor t = x.reshape({-1, x.size(-1)});  // [T, h]
@@ -179,11 +189,18 @@ struct MoEImpl : torch::nn::Module {
     aux = experts * (f / static_cast<double>(t.size(0) * top_k) * probs.mean(0)).sum();
     const torch::Tensor lse = torch::logsumexp(logits, -1);
     z = (lse * lse).mean();
-    return torch::einsum("te,eth->th", {dense, y}).reshape(x.sizes());
+    torch::Tensor out = torch::einsum("te,eth->th", {dense, y});
+    if (shared) {
+      torch::Tensor s = shared->forward(t);
+      if (shared_gate) s = s * torch::sigmoid(torch::matmul(t, shared_gate->weight.t()));
+      out = out + s;
+    }
+    return out.reshape(x.sizes());
   }
   int64_t experts, top_k;
   bool renorm;
-  std::shared_ptr<TableImpl> router;
+  std::shared_ptr<MLPImpl> shared;
+  std::shared_ptr<TableImpl> router, shared_gate;
   std::shared_ptr<ExpertsLinearImpl> c_fc, c_proj;
   torch::Tensor aux, z;  // of the last forward
 };

@@ -2,9 +2,11 @@
 // LibTorch (one loop per expert over its assignments, capacity applied per
 // rank's tokens): outputs, auxiliary losses, router and expert gradients and
 // 5 AdamW steps at every expert size that divides the world, dropless and
-// with capacity (by position and by probability), top-1 and top-2; every
-// token routed to one rank's experts; traced all-to-all bytes for a known
-// routing; and the refusals.
+// with capacity (by position and by probability), top-1 and top-2, the
+// experts grouped and padded, fine-grained experts, shared experts with and
+// without their gate; every token routed to one rank's experts; the rows
+// the experts ran; traced all-to-all bytes for a known routing; and the
+// refusals.
 // Runs on TESSERA_TEST_DEVICE (test::device()).
 #include "test_util.h"
 
@@ -35,14 +37,27 @@ struct Case {
   bool renormalize;
   c10::optional<double> capacity;
   nn::MoEDropPolicy policy;
+  nn::MoEExpertCompute compute = nn::MoEExpertCompute::kGrouped;
+  bool fine_grained = false;  // twice the experts, each a third as wide
+  int64_t shared_ffn = 0;
+  bool shared_gate = false;
 };
 
-const std::vector<Case> kCases = {{"top1_dropless", 1, false, c10::nullopt, nn::MoEDropPolicy::kPosition},
-                                  {"top2_dropless_renorm", 2, true, c10::nullopt, nn::MoEDropPolicy::kPosition},
-                                  {"top1_capacity_position", 1, false, 1.0, nn::MoEDropPolicy::kPosition},
-                                  {"top2_capacity_probability", 2, false, 0.75, nn::MoEDropPolicy::kProbability}};
+constexpr auto kPosition = nn::MoEDropPolicy::kPosition;
+constexpr auto kPadded = nn::MoEExpertCompute::kPadded;
+const std::vector<Case> kCases = {
+    {"top1_dropless", 1, false, c10::nullopt, kPosition},
+    {"top2_dropless_renorm", 2, true, c10::nullopt, kPosition},
+    {"top1_capacity_position", 1, false, 1.0, kPosition},
+    {"top2_capacity_probability", 2, false, 0.75, nn::MoEDropPolicy::kProbability},
+    {"top2_dropless_padded", 2, true, c10::nullopt, kPosition, kPadded},
+    {"top1_capacity_padded", 1, false, 1.0, kPosition, kPadded},
+    {"top1_shared", 1, false, c10::nullopt, kPosition, nn::MoEExpertCompute::kGrouped, false, 10},
+    {"fine_grained_top4_shared_gated", 4, false, c10::nullopt, kPosition, nn::MoEExpertCompute::kGrouped, true, 8,
+     true}};
 
-int64_t experts_for(int n) { return n % 3 == 0 ? 6 : 8; }
+int64_t experts_for(int n, const Case& c = kCases[0]) { return (n % 3 == 0 ? 6 : 8) * (c.fine_grained ? 2 : 1); }
+int64_t ffn_for(const Case& c) { return c.fine_grained ? kFfn / 3 : kFfn; }
 
 // Skewed: positive tokens and a router whose first two rows point along
 // them, the rest against them: every token's first choice is expert 0 (on
@@ -51,18 +66,27 @@ bool g_skewed = false;
 
 using Weights = std::map<std::string, at::Tensor>;
 
-Weights full_weights(int64_t experts, uint64_t seed) {
+Weights full_weights(int64_t experts, uint64_t seed, const Case& c = kCases[0]) {
   at::Tensor router = test::device_randn({experts, kHidden}, seed) * 0.5;
   if (g_skewed) {
     router = -at::ones({experts, kHidden}, test::device_options());
     router[0].fill_(2.0);
     router[1].fill_(1.0);
   }
-  return {{"router.weight", router},
-          {"c_fc.weight", test::device_randn({experts, kFfn, kHidden}, seed + 1) * 0.3},
-          {"c_fc.bias", test::device_randn({experts, kFfn}, seed + 2) * 0.1},
-          {"c_proj.weight", test::device_randn({experts, kHidden, kFfn}, seed + 3) * 0.3},
-          {"c_proj.bias", test::device_randn({experts, kHidden}, seed + 4) * 0.1}};
+  const int64_t f = ffn_for(c), sf = c.shared_ffn;
+  Weights w = {{"router.weight", router},
+               {"c_fc.weight", test::device_randn({experts, f, kHidden}, seed + 1) * 0.3},
+               {"c_fc.bias", test::device_randn({experts, f}, seed + 2) * 0.1},
+               {"c_proj.weight", test::device_randn({experts, kHidden, f}, seed + 3) * 0.3},
+               {"c_proj.bias", test::device_randn({experts, kHidden}, seed + 4) * 0.1}};
+  if (sf > 0) {
+    w["shared_expert.c_fc.weight"] = test::device_randn({sf, kHidden}, seed + 5) * 0.3;
+    w["shared_expert.c_fc.bias"] = test::device_randn({sf}, seed + 6) * 0.1;
+    w["shared_expert.c_proj.weight"] = test::device_randn({kHidden, sf}, seed + 7) * 0.3;
+    w["shared_expert.c_proj.bias"] = test::device_randn({kHidden}, seed + 8) * 0.1;
+  }
+  if (c.shared_gate) w["shared_expert_gate.weight"] = test::device_randn({1, kHidden}, seed + 9) * 0.5;
+  return w;
 }
 
 at::Tensor tokens_of(int64_t d, int step) {
@@ -119,6 +143,15 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
                             (at::linear(h, w["c_proj.weight"][e], w["c_proj.bias"][e]) * gates[t][j]).unsqueeze(0));
       }
     }
+    // Shared experts: every token, gated by sigmoid(g · x) when asked.
+    if (c.shared_ffn > 0) {
+      for (int64_t t = 0; t < x.size(0); ++t) {
+        const at::Tensor h = at::gelu(at::linear(x[t], w["shared_expert.c_fc.weight"], w["shared_expert.c_fc.bias"]));
+        at::Tensor s = at::linear(h, w["shared_expert.c_proj.weight"], w["shared_expert.c_proj.bias"]);
+        if (c.shared_gate) s = s * at::sigmoid(at::dot(w["shared_expert_gate.weight"][0], x[t]));
+        out = out.index_add(0, at::tensor({t}).to(test::device()), s.unsqueeze(0));
+      }
+    }
     res.outputs.push_back(out.detach().view({2, kTokens / 2, kHidden}));
     loss = loss + (out.view({2, kTokens / 2, kHidden}) * dout_of(d)).sum() / static_cast<double>(dp);
     prob_sum = prob_sum + probs.sum(0);
@@ -137,11 +170,14 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
 }
 
 nn::MoEOptions options_for(const Case& c, int64_t experts) {
-  return nn::MoEOptions(kHidden, kFfn, experts)
+  return nn::MoEOptions(kHidden, ffn_for(c), experts)
       .top_k(c.top_k)
       .renormalize(c.renormalize)
       .capacity_factor(c.capacity)
       .drop_policy(c.policy)
+      .expert_compute(c.compute)
+      .shared_ffn(c.shared_ffn)
+      .shared_gate(c.shared_gate)
       .aux_loss_coef(0.1)
       .z_loss_coef(0.01)
       .init_seed(7);
@@ -158,13 +194,16 @@ struct ParallelRun {
   std::unique_ptr<parallel::ShardedOptimizer> opt;
 };
 
-ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, const std::string& spec) {
+// `etp` > 1: the experts split over a tensor group of that size (expert
+// tensor parallelism), whose ranks hold the same tokens.
+ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, const std::string& spec, int etp = 1) {
   ParallelRun r;
-  r.ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().expert(ep));
+  r.ctx = context::ParallelContext::create(test::world(), context::ParallelConfig().expert(ep).tensor(etp));
   nn::MoEGroups groups;
   groups.expert = r.ctx->comm(context::ParallelMode::kExpert);
   groups.expert_data = r.ctx->comm(context::ParallelMode::kExpertData);
   groups.tokens = r.ctx->comm(context::ParallelMode::kData);
+  if (etp > 1) groups.expert_tensor = r.ctx->comm(context::ParallelMode::kTensor);
   r.moe = nn::MoE(o, groups);
   r.moe->to(test::device());
   r.placements = nn::placements_of(*r.moe, [](const at::Tensor& p) { return nn::replicated_placement(p); });
@@ -177,12 +216,12 @@ ParallelRun make_parallel(int ep, const nn::MoEOptions& o, const Weights& init, 
   return r;
 }
 
-void expect_equal_to_serial(int ep, const Case& c, const std::string& spec) {
-  const int n = test::world()->size();
-  const int64_t experts = experts_for(n);
-  const std::string what = c.name + ", ep " + std::to_string(ep) + ", " + spec;
+void expect_equal_to_serial(int ep, const Case& c, const std::string& spec, int etp = 1) {
+  const int n = test::world()->size(), dp = n / etp;
+  const int64_t experts = experts_for(n, c);
+  const std::string what = c.name + ", ep " + std::to_string(ep) + ", etp " + std::to_string(etp) + ", " + spec;
   const nn::MoEOptions o = options_for(c, experts);
-  const Weights init = full_weights(experts, 31);
+  const Weights init = full_weights(experts, 31, c);
 
   Weights serial;
   for (const auto& [name, t] : init) serial[name] = t.clone().requires_grad_();
@@ -190,11 +229,11 @@ void expect_equal_to_serial(int ep, const Case& c, const std::string& spec) {
   for (auto& [name, t] : serial) params.push_back(t);
   torch::optim::AdamW serial_opt(params, adamw_options());
 
-  ParallelRun run = make_parallel(ep, o, init, spec);
+  ParallelRun run = make_parallel(ep, o, init, spec, etp);
   const int64_t d = run.ctx->rank(context::ParallelMode::kData);
   for (int step = 0; step < kSteps; ++step) {
     serial_opt.zero_grad();
-    const SerialResult ref = serial_step(serial, c, n, step, o);
+    const SerialResult ref = serial_step(serial, c, dp, step, o);
     run.opt->zero_grad();
     const at::Tensor out = run.sharded->run([&] { return run.moe->forward(tokens_of(d, step)); });
     (out * dout_of(d)).sum().backward();
@@ -204,7 +243,7 @@ void expect_equal_to_serial(int ep, const Case& c, const std::string& spec) {
     EXPECT_NEAR(run.moe->last_stats().z_loss, ref.z, kRelTolerance * ref.z) << at_step << ": z loss";
     if (g_skewed && step == 0) {
       const auto& routed = run.moe->last_stats().tokens_per_expert;
-      EXPECT_EQ(routed[0], n * kTokens) << at_step;
+      EXPECT_EQ(routed[0], dp * kTokens) << at_step;
       EXPECT_EQ(std::accumulate(routed.begin() + 2, routed.end(), int64_t{0}), 0) << at_step;
     }
     if (spec == "ddp") {  // ddp leaves whole averaged gradients in .grad()
@@ -228,7 +267,7 @@ class MoELayer : public ::testing::TestWithParam<Case> {};
 TEST_P(MoELayer, EqualsSerialIncludingFiveAdamWSteps) {
   const int n = test::world()->size();
   for (int ep : {1, 2, 3, 4, 8})
-    if (n % ep == 0 && experts_for(n) % ep == 0) expect_equal_to_serial(ep, GetParam(), "ddp");
+    if (n % ep == 0 && experts_for(n, GetParam()) % ep == 0) expect_equal_to_serial(ep, GetParam(), "ddp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, MoELayer, ::testing::ValuesIn(kCases),
@@ -248,7 +287,62 @@ TEST(MoELayerSharded, Zero2EqualsSerial) {
 TEST(MoELayerSkewed, AllTokensToOneRankCompleteWithCorrectGradients) {
   const int n = test::world()->size();
   g_skewed = true;
-  for (const Case& c : {kCases[0], kCases[1]}) expect_equal_to_serial(n, c, "ddp");
+  for (const Case& c : {kCases[0], kCases[1], kCases[4]}) expect_equal_to_serial(n, c, "ddp");
+  g_skewed = false;
+}
+
+// Expert tensor parallelism (Note [Expert tensor parallelism]): ep 2 × etp 2
+// at 4 ranks (ep 2 or 4 × etp 2 at 8): each rank holds half of every local
+// expert's ffn, and the results equal the serial MoE's, for top-1 and top-2,
+// dropless and with capacity, grouped and padded, fine-grained experts with
+// a gated shared expert, under DDP and ZeRO-2, and with every token routed
+// to one expert rank.
+TEST(MoEExpertTensor, SplitExpertsEqualSerial) {
+  const int n = test::world()->size();
+  if (n % 4 != 0) GTEST_SKIP() << "needs ep 2 x etp 2";
+  for (const Case& c : kCases) expect_equal_to_serial(2, c, "ddp", 2);
+  if (n == 8) expect_equal_to_serial(4, kCases[1], "ddp", 2);
+  expect_equal_to_serial(2, kCases[7], "zero2", 2);
+  g_skewed = true;
+  for (const Case& c : {kCases[0], kCases[4]}) expect_equal_to_serial(n / 2, c, "ddp", 2);
+  g_skewed = false;
+  // Really split: half of ffn per rank.
+  ParallelRun run =
+      make_parallel(2, options_for(kCases[0], experts_for(n)), full_weights(experts_for(n), 31), "ddp", 2);
+  EXPECT_EQ(run.moe->c_fc->weight.size(1), kFfn / 2);
+  EXPECT_EQ(run.moe->c_proj->weight.size(2), kFfn / 2);
+}
+
+// Skewed top-1 at expert size n: rank 0's expert 0 receives every rank's
+// tokens. Grouped, the experts run exactly the rows routed to them; padded,
+// each of rank 0's E_l experts runs as many rows as expert 0.
+TEST(MoEExpertCompute, GroupedRunsTheRoutedRowsAndPaddedTheBusiestForEach) {
+  auto world = test::world();
+  const int n = world->size();
+  const int64_t experts = experts_for(n), el = experts / n;
+  g_skewed = true;
+  auto ctx = context::ParallelContext::create(world, context::ParallelConfig().expert(n));
+  nn::MoEGroups groups;
+  groups.expert = ctx->comm(context::ParallelMode::kExpert);
+  groups.tokens = ctx->comm(context::ParallelMode::kData);
+  for (const Case& c : {kCases[0], Case{"padded", 1, false, c10::nullopt, kPosition, kPadded}}) {
+    nn::MoE moe(options_for(c, experts), groups);
+    moe->to(test::device());
+    for (const auto& [name, p] :
+         nn::placements_of(*moe, [](const at::Tensor& t) { return nn::replicated_placement(t); }))
+      nn::load_full(p, full_weights(experts, 31).at(name));
+    moe->forward(tokens_of(world->rank(), 0)).sum().backward();
+    const nn::MoEStats& st = moe->last_stats();
+    const int64_t routed = world->rank() == 0 ? n * kTokens : 0;
+    EXPECT_EQ(st.rows_routed, routed) << c.name;
+    EXPECT_EQ(st.rows_computed, c.compute == kPadded ? el * routed : routed) << c.name;
+    // Every local expert's weight has a gradient, zero where no row went.
+    ASSERT_TRUE(moe->c_fc->weight.grad().defined()) << c.name;
+    for (int64_t e = 0; e < el; ++e) {
+      const bool used = world->rank() == 0 && e == 0;
+      EXPECT_EQ(moe->c_fc->weight.grad()[e].abs().sum().item<double>() > 0, used) << c.name << ", expert " << e;
+    }
+  }
   g_skewed = false;
 }
 
@@ -309,6 +403,16 @@ TEST(MoERefusals, EveryRankGetsTheMessage) {
                         "drop policy 'probability'", "no capacity factor is set");
   EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).aux_loss_coef(-0.1)),
                         "auxiliary loss coefficients (-0.1", "must be >= 0");
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).shared_ffn(-3)), "shared_ffn -3 must be >= 0");
+  if (n > 1) {
+    nn::MoEGroups split;
+    split.expert_tensor = world;
+    const std::string width = "ffn width " + std::to_string(n + 1) + " does not divide over the " + std::to_string(n) +
+                              " ranks of the expert-tensor group";
+    EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, n + 1, 4), split), width.c_str());
+  }
+  EXPECT_ERROR_CONTAINS(nn::MoE(nn::MoEOptions(kHidden, kFfn, 4).shared_gate(true)),
+                        "shared_gate scales the shared experts' output, but shared_ffn is 0");
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 // with clipping, losses and gradient norms within 1e-5, and the full
 // weights after them, at expert sizes 1, 2 and 4 with data, tensor,
 // sequence and pipeline parallelism under several sharding specs, with and
-// without activation checkpointing; a
+// without activation checkpointing, with whole experts on every tensor rank
+// and split over the tensor group (expert tensor parallelism); every MoE
+// block has a gated shared expert beside its routed ones; a
 // checkpoint saved at ep4 loads at ep2 and in one process with the same
 // loss; refusals.
 #include "test_util.h"
@@ -12,10 +14,11 @@
 #include "reference_gpt.h"
 #include "saved_state.h"
 
+#include "tessera/context/layout.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/core/safetensors.h"
 #include "tessera/models/gpt.h"
 #include "tessera/nn/layer_factory.h"
-#include "tessera/core/safetensors.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/trainer.h"
 
@@ -41,6 +44,8 @@ models::GPTConfig config() {
   c.renormalize(true);
   c.aux_loss_coef(0.1);  // large, so that a wrong auxiliary gradient shows
   c.z_loss_coef(0.01);
+  c.shared_expert_ffn(24);  // a gated shared expert beside the routed ones
+  c.shared_expert_gate(true);
   return c;
 }
 
@@ -55,6 +60,7 @@ struct Layout {
   std::string spec;
   int microbatches = 1;
   bool checkpoint = false;  // activation checkpointing of every block
+  bool expert_tensor = false;  // experts split over the tensor group
 };
 
 std::vector<Layout> layouts(int n) {
@@ -71,11 +77,13 @@ std::vector<Layout> layouts(int n) {
       return {{"ep2_dp2_zero2", ParallelConfig().expert(2), "zero2"},
               {"ep4_zero3", ParallelConfig().expert(4), "zero3"},
               {"ep2_tp2", ParallelConfig().tensor(2).expert(2), "ddp"},
+              {"ep2_tp2_etp_zero2", ParallelConfig().tensor(2).expert(2), "zero2", 1, false, true},
               {"ep2_sp2_ring", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kRing).expert(2), "zero2"}};
     case 8:
       return {{"ep2_pp2_dp2_zero2", ParallelConfig().pipeline(2).expert(2), "zero2", 2},
               {"ep2_dp2_tp2_rps", ParallelConfig().tensor(2).expert(2), "{R,P(2),S}"},
               {"ep2_pp2_tp2", ParallelConfig().pipeline(2).tensor(2).expert(2), "ddp", 2},
+              {"ep4_tp2_etp", ParallelConfig().tensor(2).expert(4), "ddp", 1, false, true},
               {"ep4_pp2_checkpointed", ParallelConfig().pipeline(2).expert(4), "ddp", 2, true}};
     default:
       return {};
@@ -96,7 +104,7 @@ Model make_run(const context::ParallelContextPtr& ctx, const Layout& s, uint64_t
   Model r;
   auto c = config();
   c.checkpoint_activations(s.checkpoint);
-  r.gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx));
+  r.gpt = std::make_shared<models::GPTImpl>(c, nn::make_layer_factory(ctx, false, false, s.expert_tensor));
   r.gpt->to(test::device());  // built on the CPU: the same weights on every device
   auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
@@ -294,6 +302,16 @@ TEST(MoEGPTRefusals, EveryRankGetsTheMessage) {
     auto c = config();
     EXPECT_ERROR_CONTAINS(models::GPT(c, nn::make_layer_factory(ctx)),
                           "mixture-of-experts layers run on tensor mode 1d");
+    EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, false, false, /*expert_tensor_parallel=*/true),
+                          "expert tensor parallelism splits the experts over the 1D tensor group", "tensor mode 2d");
+  }
+  if (n >= 2) {
+    auto ctx = context::ParallelContext::create(world, ParallelConfig().tensor(2));
+    EXPECT_ERROR_CONTAINS(nn::make_layer_factory(ctx, /*sequence_parallel=*/true, false, true),
+                          "expert tensor parallelism", "with the sequence-parallel variant");
+    EXPECT_ERROR_CONTAINS(context::check_shape(context::Layout(ctx->config()).expert_tensor_parallel(true),
+                                               context::ModelShape().experts(0)),
+                          "expert tensor parallelism splits the experts, and this model has no mixture-of-experts");
   }
   auto self = world->split(world->rank(), 0, "self");
   auto factory = nn::make_1d_factory(self, false, 1, 2);

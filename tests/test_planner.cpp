@@ -296,6 +296,39 @@ TEST(Planner, BytesAcrossHostsEqualThePrediction) {
 namespace tessera {
 namespace {
 
+// The planner's parameter counts against the GPT's own modules, for MoE
+// shapes with and without shared experts, their gate, SwiGLU and biases:
+// every parameter, and the active ones (each MoE block's routed experts
+// counted top_k times, its shared experts once).
+TEST(PlannerModelDesc, ParamsEqualTheGPTModulesForEveryMoEShape) {
+  auto self = test::world()->split(test::world()->rank(), 0, "self");
+  auto ctx = context::ParallelContext::create(self, context::ParallelConfig());
+  struct Shape {
+    int64_t experts, top_k, moe_every, shared;
+    bool gate, swiglu;
+  };
+  for (const Shape& sh : {Shape{0, 1, 1, 0, false, false}, Shape{4, 2, 2, 0, false, false},
+                          Shape{4, 1, 1, 24, false, false}, Shape{8, 3, 2, 40, true, true}}) {
+    models::GPTConfig g = models::GPTConfig().vocab(64).context(16).layers(4).heads(4).hidden(32).experts(sh.experts);
+    if (sh.experts > 0)
+      g.top_k(sh.top_k).moe_every(sh.moe_every).shared_expert_ffn(sh.shared).shared_expert_gate(sh.gate);
+    if (sh.swiglu) g.mlp(nn::MLPKind::kSwiGLU).bias(false);
+    models::GPTImpl gpt(g, nn::make_layer_factory(ctx));
+    double all = 0, inactive = 0;
+    for (const auto& p : gpt.named_parameters()) {
+      all += static_cast<double>(p.value().numel());
+      // Routed experts' tensors are [experts, ...]: all but top_k rows are idle per token.
+      const bool routed = p.key().find(".mlp.c_") != std::string::npos && g.experts() > 0 && p.value().dim() >= 2 &&
+                          p.value().size(0) == g.experts();
+      if (routed) inactive += static_cast<double>(p.value().numel()) * (g.experts() - g.top_k()) / g.experts();
+    }
+    const auto model = planner::ModelDesc::gpt(g, 16);
+    const std::string what = model.to_string();
+    EXPECT_EQ(static_cast<double>(model.params()), all) << what;
+    EXPECT_EQ(static_cast<double>(model.active_params()), all - inactive) << what;
+  }
+}
+
 // The step time of plans on a cluster written here, against the time model
 // of docs/planner.md computed in the test: forward FLOPs (every matmul, 2
 // per multiply-add, and attention's scores and values, 4·T·s·h per block)

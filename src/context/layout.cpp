@@ -39,6 +39,11 @@ void check_supported(const Layout& layout) {
   TORCH_CHECK(c.expert() == 1 || !sp, "expert size ", c.expert(),
               " and the 1D layers' sequence-parallel variant do not combine (each tensor rank would route other "
               "tokens); use sequence parallelism (sequence size > 1) instead of the variant, or expert size 1");
+  TORCH_CHECK(!layout.expert_tensor_parallel() || (!grid && !sp),
+              "expert tensor parallelism splits the experts over the 1D tensor group, whose ranks must hold the same "
+              "tokens; the context has tensor mode ",
+              mode, sp ? " with the sequence-parallel variant" : "",
+              "; use tensor mode 1d without the variant, or whole experts");
 }
 
 bool kv_heads_replicated(int64_t kv_heads, int64_t split, bool can_replicate, const std::string& mode) {
@@ -88,6 +93,9 @@ void check_shape(const Layout& layout, const ModelShape& shape) {
   if (shape.heads() > 0 && c.sequence() > 1 && c.sequence_mode() == SequenceMode::kUlysses)
     check_divides(shape.heads() / q, c.sequence(), "the heads per tensor rank",
                   "Ulysses attention splits over the sequence size");
+  TORCH_CHECK(shape.experts() > 0 || !layout.expert_tensor_parallel(),
+              "expert tensor parallelism splits the experts, and this model has no mixture-of-experts blocks; drop "
+              "it or give the model experts");
   TORCH_CHECK(shape.experts() > 0 || c.expert() == 1, "expert size ", c.expert(),
               " needs a model with experts, and this one has no mixture-of-experts blocks; set expert size 1 or give "
               "the model experts");

@@ -110,6 +110,8 @@ std::string GPTConfig::to_json() const {
                       {"mlp", mlp_name(mlp_)}, {"ffn", ffn_size()},           {"bias", bias_},
                       {"qkv_bias", qkv_bias_}, {"qk_norm", qk_norm_},         {"experts", experts_},
                       {"moe_every", moe_every_}, {"top_k", top_k_},           {"renormalize", renormalize_}};
+  if (shared_expert_ffn_ > 0)
+    j["shared_expert_ffn"] = shared_expert_ffn_, j["shared_expert_gate"] = shared_expert_gate_;
   if (rope_scaling_) {
     const auto& s = *rope_scaling_;
     j["rope_scaling"] = {{"type", "llama3"},
@@ -145,6 +147,8 @@ GPTConfig GPTConfig::from_json(const std::string& text) {
     c.bias(j.value("bias", c.bias())).qkv_bias(j.value("qkv_bias", c.qkv_bias())).qk_norm(j.value("qk_norm", false));
     c.experts(j.value("experts", int64_t{0})).moe_every(j.value("moe_every", int64_t{1}));
     c.top_k(j.value("top_k", int64_t{1})).renormalize(j.value("renormalize", false));
+    c.shared_expert_ffn(j.value("shared_expert_ffn", int64_t{0}))
+        .shared_expert_gate(j.value("shared_expert_gate", false));
     if (j.contains("rope_scaling")) {
       const auto& s = j.at("rope_scaling");
       TORCH_CHECK(s.value("type", std::string("llama3")) == "llama3", "model config: rope_scaling of type '",
@@ -184,11 +188,14 @@ void GPTConfig::check() const {
               ") >= 1");
   if (experts_ == 0) {
     // A MoE option on a dense model would silently do nothing.
-    const char* set = top_k_ != 1           ? "top_k"
-                      : moe_every_ != 1     ? "moe_every"
-                      : renormalize_        ? "renormalize"
-                      : capacity_factor_    ? "capacity_factor"
-                                            : nullptr;
+    const char* set = top_k_ != 1                                         ? "top_k"
+                      : moe_every_ != 1                                   ? "moe_every"
+                      : renormalize_                                      ? "renormalize"
+                      : capacity_factor_                                  ? "capacity_factor"
+                      : shared_expert_ffn_ != 0                           ? "shared_expert_ffn"
+                      : shared_expert_gate_                               ? "shared_expert_gate"
+                      : expert_compute_ != nn::MoEExpertCompute::kGrouped ? "expert_compute"
+                                                                          : nullptr;
     TORCH_CHECK(set == nullptr, "the mixture-of-experts option ", set,
                 " is set, but the model is dense (experts 0); set experts, or leave ", set, " at its default");
   }
@@ -198,6 +205,10 @@ void GPTConfig::check() const {
               " layers, so no block would have experts; lower moe_every");
   TORCH_CHECK(experts_ == 0 || (top_k_ >= 1 && top_k_ <= experts_), "top-k ", top_k_, " must be between 1 and the ",
               experts_, " experts");
+  TORCH_CHECK(shared_expert_ffn_ >= 0, "shared_expert_ffn must be >= 0 (the shared experts' width; 0: none), got ",
+              shared_expert_ffn_);
+  TORCH_CHECK(!shared_expert_gate_ || shared_expert_ffn_ > 0,
+              "shared_expert_gate is set, but shared_expert_ffn is 0 (no shared experts); set shared_expert_ffn");
 }
 
 class GPTBlockImpl : public torch::nn::Module {
@@ -235,7 +246,10 @@ class GPTBlockImpl : public torch::nn::Module {
                           .aux_loss_coef(c.aux_loss_coef())
                           .z_loss_coef(c.z_loss_coef())
                           .gated(c.mlp() == nn::MLPKind::kSwiGLU)
-                          .bias(c.bias()),
+                          .bias(c.bias())
+                          .expert_compute(c.expert_compute())
+                          .shared_ffn(c.shared_expert_ffn())
+                          .shared_gate(c.shared_expert_gate()),
                       std::move(aux_loss_scale))
               : f.mlp(h, c.ffn_size(), c.mlp(), c.bias());
     resid_drop_2 = f.dropout(c.dropout(), nn::DropoutSite::kBlock);

@@ -256,8 +256,9 @@ HFArchitecture hf_architecture_for(const GPTConfig& c) {
               "): GPT-2 is LayerNorm, learned positions, GELU and biases; the Llama family RMSNorm, rotary positions, "
               "SwiGLU and no biases on o_proj and the MLP");
   if (c.experts() > 0) {
-    TORCH_CHECK(!c.qkv_bias() && !c.qk_norm() && c.moe_every() == 1 && c.renormalize(),
-                "MixtralForCausalLM has experts in every block, renormalized top-k and no q/k/v biases or q/k norms");
+    TORCH_CHECK(!c.qkv_bias() && !c.qk_norm() && c.moe_every() == 1 && c.renormalize() && c.shared_expert_ffn() == 0,
+                "MixtralForCausalLM has experts in every block, renormalized top-k, no shared experts and no q/k/v "
+                "biases or q/k norms (tessera maps no Hugging Face family with shared experts yet)");
     return HFArchitecture::kMixtral;
   }
   TORCH_CHECK(!(c.qkv_bias() && c.qk_norm()), "no Hugging Face architecture has both q/k/v biases and q/k norms");

@@ -62,12 +62,14 @@ NamedPlacements LayerFactory::placements(torch::nn::Module& module) const {
 }
 
 std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx, bool sequence_parallel,
-                                                 bool row_keyed_dropout) {
+                                                 bool row_keyed_dropout, bool expert_tensor_parallel) {
   TORCH_CHECK(ctx != nullptr, "make_layer_factory: the ParallelContext is null");
   const auto& c = ctx->config();
   // The context is the authority on which layouts the layers carry out.
-  context::check_supported(
-      context::Layout(c).sequence_parallel(sequence_parallel).row_keyed_dropout(row_keyed_dropout));
+  context::check_supported(context::Layout(c)
+                               .sequence_parallel(sequence_parallel)
+                               .row_keyed_dropout(row_keyed_dropout)
+                               .expert_tensor_parallel(expert_tensor_parallel));
   const bool grid = ctx->grid().grid_tensor_mode();
   if (grid) return c.tensor_mode() == context::TensorMode::k3D ? make_3d_factory(ctx) : make_2d_factory(ctx);
   // Experts split over the expert group, replicated over expert-data; the
@@ -77,6 +79,7 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
   experts.expert_data = ctx->comm(context::ParallelMode::kExpertData);
   experts.tokens = ctx->comm(ctx->grid().token_mode());
   experts.gradient_average = ctx->size(context::ParallelMode::kData);
+  if (expert_tensor_parallel && c.tensor() > 1) experts.expert_tensor = ctx->comm(context::ParallelMode::kTensor);
   if (c.sequence() > 1) {
     // Block activations differ across data and sequence ranks; sharded ones
     // across tensor and sequence ranks (Note [Dropout seeds]).

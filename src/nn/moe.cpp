@@ -31,13 +31,43 @@ namespace nn {
 //    each rank then knows how many rows it receives for each of its experts
 //    from each rank. Every rank takes part in both all-to-alls whatever
 //    its counts, zero included, so no routing can leave a rank waiting.
-// 4. All-to-all the token rows (variable splits), group them by local
-//    expert into [E_l, M, hidden] (M: the largest group, the rest zero
-//    padding), run the experts as two batched matmuls, ungroup, and
+// 4. All-to-all the token rows (variable splits), sort them by local
+//    expert, run the experts (Note [Expert compute]), unsort, and
 //    all-to-all the outputs back along the reverse splits.
 // 5. Combine: each token's output is the sum of its kept assignments'
 //    outputs times their gates (gradients flow to the router through the
-//    gates), scattered back with index_add.
+//    gates), scattered back with index_add; the shared experts' output
+//    (gated per token by option) is added to every token.
+//
+// Note [Expert compute]
+// Routing is uneven: the busiest local expert gets max/mean ≈ 2 times its
+// share early in training, and all of a rank's tokens when skewed. Padded,
+// every local expert runs as many rows as the busiest in one batched
+// matmul, so E_l · max rows are computed for Σ rows routed, the rest zeros.
+// Grouped (the default), the sorted rows are split at the experts'
+// boundaries and each expert's matrices multiply exactly its rows: E_l
+// matmuls instead of one, no wasted FLOPs, no padded buffer. The weights are
+// unbound once, so backward stacks the experts' gradients in one tensor,
+// and every expert takes part with its rows, zero rows included, so each
+// weight gets a gradient (zero if unused) whatever the routing: the data-
+// parallel hooks then fire on every rank alike. MoEStats' rows_routed and
+// rows_computed count the difference.
+//
+// Note [Expert tensor parallelism]
+// With an expert-tensor group of t ranks (the 1D tensor group, whose ranks
+// hold the same tokens), every expert's c_fc and c_gate keep ffn/t of their
+// rows and c_proj the matching ffn/t columns, as a Megatron MLP. The router
+// is replicated, so the t ranks route alike and exchange the same rows with
+// their own expert groups; each runs its slice of every local expert and
+// the rows' outputs are summed over the group (reduce_from_group: all-reduce
+// forward, identity backward) before c_proj's bias, which is replicated, is
+// added. The gates then multiply whole outputs, so the router's gradient is
+// whole on every rank. The rows enter through copy_to_group (identity
+// forward, all-reduce backward), which sums the slices' input gradients; the
+// router's path does not pass it, its gradient being whole already. Shared
+// experts stay whole on every rank of the group. Cost per MoE layer: one
+// all-reduce of the rows a rank's experts ran forward, one of its tokens
+// backward; memory: the experts' parameters over t.
 
 namespace {
 
@@ -120,8 +150,17 @@ MoEImpl::MoEImpl(const MoEOptions& options_, MoEGroups groups, std::shared_ptr<M
   TORCH_CHECK(o.capacity_factor() || o.drop_policy() == MoEDropPolicy::kPosition,
               "MoE: drop policy 'probability' chooses what an expert over capacity keeps, but no capacity factor is "
               "set (dropless routing drops nothing); set a capacity factor or leave the policy at 'position'");
+  TORCH_CHECK(o.shared_ffn() >= 0, "MoE: shared_ffn ", o.shared_ffn(),
+              " must be >= 0 (the width of the shared experts' MLP; 0: none)");
+  TORCH_CHECK(!o.shared_gate() || o.shared_ffn() > 0,
+              "MoE: shared_gate scales the shared experts' output, but shared_ffn is 0 (no shared experts); set "
+              "shared_ffn or drop shared_gate");
   TORCH_CHECK(groups_.gradient_average >= 0, "MoE: gradient_average must be >= 0, got ", groups_.gradient_average);
+  const int64_t etp = group_size(groups_.expert_tensor);
+  TORCH_CHECK(o.ffn() % etp == 0, "MoE: the experts' ffn width ", o.ffn(), " does not divide over the ", etp,
+              " ranks of the expert-tensor group; choose an ffn width that divides or run the experts whole");
   local_experts_ = o.experts() / ep;
+  local_ffn_ = o.ffn() / etp;
   seed_ = o.init_seed() ? *o.init_seed() : draw_seed();
   reset();
 }
@@ -139,15 +178,49 @@ at::Tensor ExpertLinearImpl::forward(const at::Tensor& x) {
 void MoEImpl::reset() {
   const auto& o = options;
   router = register_module("router", torch::nn::Linear(torch::nn::LinearOptions(o.hidden(), o.experts()).bias(false)));
-  if (o.gated()) c_gate = register_module("c_gate", ExpertLinear(local_experts_, o.hidden(), o.ffn(), o.bias()));
-  c_fc = register_module("c_fc", ExpertLinear(local_experts_, o.hidden(), o.ffn(), o.bias()));
-  c_proj = register_module("c_proj", ExpertLinear(local_experts_, o.ffn(), o.hidden(), o.bias()));
+  if (o.gated()) c_gate = register_module("c_gate", ExpertLinear(local_experts_, o.hidden(), local_ffn_, o.bias()));
+  c_fc = register_module("c_fc", ExpertLinear(local_experts_, o.hidden(), local_ffn_, o.bias()));
+  c_proj = register_module("c_proj", ExpertLinear(local_experts_, local_ffn_, o.hidden(), o.bias()));
+  if (o.shared_ffn() > 0)
+    shared_expert = register_module("shared_expert", SharedExpert(o.hidden(), o.shared_ffn(), o.gated(), o.bias()));
+  if (o.shared_gate())
+    shared_expert_gate =
+        register_module("shared_expert_gate", torch::nn::Linear(torch::nn::LinearOptions(o.hidden(), 1).bias(false)));
   reset_parameters();
+}
+
+void SharedExpertImpl::reset() {
+  auto linear = [&](const char* name, int64_t in, int64_t out) {
+    return register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias_)));
+  };
+  c_fc = linear("c_fc", hidden_, ffn_);
+  if (gated_) c_gate = linear("c_gate", hidden_, ffn_);
+  c_proj = linear("c_proj", ffn_, hidden_);
+}
+
+at::Tensor SharedExpertImpl::forward(const at::Tensor& x) {
+  const at::Tensor h = gated_ ? at::silu(c_gate->forward(x)) * c_fc->forward(x) : at::gelu(c_fc->forward(x));
+  return c_proj->forward(h);
 }
 
 void MoEImpl::reset_parameters() {
   at::NoGradGuard no_grad;
   init_blockwise(replicated_placement(router->weight), seed_, "router.weight", normal_draw(0, options.init_std()));
+  // The shared experts as a dense MLP: matrices drawn, biases 0.
+  if (!shared_expert.is_empty()) {
+    for (const auto& p : shared_expert->named_parameters()) {
+      at::Tensor t = p.value();
+      if (p.key().find("bias") != std::string::npos) {
+        t.zero_();
+      } else {
+        const double std = p.key() == "c_proj.weight" ? options.proj_init_std() : options.init_std();
+        init_blockwise(replicated_placement(t), seed_, "shared_expert." + p.key(), normal_draw(0, std));
+      }
+    }
+  }
+  if (!shared_expert_gate.is_empty())
+    init_blockwise(replicated_placement(shared_expert_gate->weight), seed_, "shared_expert_gate.weight",
+                   normal_draw(0, options.init_std()));
   for (auto& [name, p] : expert_placements()) {
     if (name.find(".bias") != std::string::npos) {
       p.param.zero_();
@@ -159,8 +232,9 @@ void MoEImpl::reset_parameters() {
 }
 
 NamedPlacements MoEImpl::local_placements() {
-  // One expert group: the experts are placed like any replicated parameter.
-  return group_size(groups_.expert) > 1 ? expert_placements() : NamedPlacements{};
+  // Whole experts on every rank: placed like any replicated parameter.
+  return group_size(groups_.expert) > 1 || group_size(groups_.expert_tensor) > 1 ? expert_placements()
+                                                                                 : NamedPlacements{};
 }
 
 NamedPlacements MoEImpl::expert_placements() {
@@ -173,15 +247,59 @@ NamedPlacements MoEImpl::expert_placements() {
     if ((*layer)->bias.defined()) params.emplace_back(std::string(prefix) + ".bias", &(*layer)->bias);
   }
   for (const auto& [name, t] : params) {
-    if (group_size(groups_.expert) == 1) {
-      out.emplace_back(name, replicated_placement(*t));
-      continue;
+    ParamPlacement p = replicated_placement(*t);
+    if (group_size(groups_.expert) > 1) {
+      p = sharded_placement(*t, 0, options.experts(), groups_.expert, "expert");
+      p.replica_group = groups_.expert_data;
     }
-    ParamPlacement p = sharded_placement(*t, 0, options.experts(), groups_.expert, "expert");
-    p.replica_group = groups_.expert_data;
+    // Note [Expert tensor parallelism]: ffn is dim 1 of c_fc / c_gate, 2 of c_proj.weight.
+    if (group_size(groups_.expert_tensor) > 1) {
+      if (name == "c_proj.bias")
+        p.replicate("tensor", groups_.expert_tensor);
+      else
+        p.shard("tensor", groups_.expert_tensor, name == "c_proj.weight" ? 2 : 1, options.ffn());
+    }
     out.emplace_back(name, std::move(p));
   }
   return out;
+}
+
+at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const std::vector<int64_t>& per_expert, const at::Tensor& id) {
+  const int64_t el = local_experts_, hidden = options.hidden();
+  const bool gated = options.gated();
+  stats_.rows_routed = rows.size(0);
+  if (options.expert_compute() == MoEExpertCompute::kPadded) {
+    // Slot of each row in [E_l, longest, hidden].
+    const int64_t longest = *std::max_element(per_expert.begin(), per_expert.end());
+    stats_.rows_computed = el * longest;
+    const at::Tensor counts = at::tensor(per_expert, at::kLong).to(rows.device());
+    const at::Tensor slot =
+        id * longest + at::arange(id.numel(), id.options()) - (counts.cumsum(0) - counts).index_select(0, id);
+    const at::Tensor grouped =
+        at::zeros({el * longest, hidden}, rows.options()).index_copy(0, slot, rows).view({el, longest, hidden});
+    const at::Tensor h =
+        gated ? at::silu(c_gate->forward(grouped)) * c_fc->forward(grouped) : at::gelu(c_fc->forward(grouped));
+    return at::bmm(h, c_proj->weight.transpose(1, 2)).reshape({el * longest, hidden}).index_select(0, slot);
+  }
+  // Note [Expert compute]
+  stats_.rows_computed = rows.size(0);
+  auto unbind = [](const ExpertLinear& l) {
+    return std::make_pair(l->weight.unbind(0), l->bias.defined() ? l->bias.unbind(0) : std::vector<at::Tensor>());
+  };
+  const auto fc = unbind(c_fc);
+  const auto gate = gated ? unbind(c_gate) : decltype(fc)();
+  const std::vector<at::Tensor> proj = c_proj->weight.unbind(0);
+  auto linear = [](const at::Tensor& in, const auto& l, int64_t e) {
+    return l.second.empty() ? at::linear(in, l.first[e]) : at::linear(in, l.first[e], l.second[e]);
+  };
+  std::vector<at::Tensor> outs;
+  const auto chunks = rows.split_with_sizes(per_expert);
+  for (int64_t e = 0; e < el; ++e) {
+    const at::Tensor& in = chunks[e];
+    const at::Tensor h = gated ? at::silu(linear(in, gate, e)) * linear(in, fc, e) : at::gelu(linear(in, fc, e));
+    outs.push_back(at::linear(h, proj[e]));
+  }
+  return at::cat(outs);
 }
 
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
@@ -201,36 +319,37 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor counts = at::bincount(r.expert, {}, experts);  // kept, per global expert
   at::Tensor recv_counts = counts.view({ep, el});
   if (ep > 1) recv_counts = comm::raw::all_to_all(counts, 0, 0, *groups_.expert).view({ep, el});
-  // One read to the host: the splits and the longest local expert.
-  const at::Tensor per_expert = recv_counts.sum(0);
-  const at::Tensor sizes =
-      at::cat({counts.view({ep, el}).sum(1), recv_counts.sum(1), per_expert.max().view({1})}).cpu();
+  // One read to the host: the splits and each local expert's rows.
+  const at::Tensor sizes = at::cat({counts.view({ep, el}).sum(1), recv_counts.sum(1), recv_counts.sum(0)}).cpu();
   const int64_t* size = sizes.data_ptr<int64_t>();
   const std::vector<int64_t> send_splits(size, size + ep), recv_splits(size + ep, size + 2 * ep);
-  const int64_t longest = size[2 * ep];
-  at::Tensor rows = tokens_in.index_select(0, r.token);
+  const std::vector<int64_t> per_expert(size + 2 * ep, size + 2 * ep + el);
+  // Note [Expert tensor parallelism]: the slices' input gradients add up here.
+  const bool split = group_size(groups_.expert_tensor) > 1;
+  at::Tensor rows =
+      (split ? comm::copy_to_group(tokens_in, groups_.expert_tensor) : tokens_in).index_select(0, r.token);
   if (ep > 1) rows = comm::all_to_all_rows(rows, send_splits, recv_splits, groups_.expert);
 
-  // Group the received rows (by source rank, then local expert) per local expert.
+  // The received rows come by source rank, then local expert: sort them by local expert.
   const at::Tensor local_id =
       at::repeat_interleave(at::arange(el, counts.options()).repeat({ep}), recv_counts.reshape(-1));
   const at::Tensor order = std::get<1>(at::sort(local_id, /*stable=*/true, 0, false));
   const at::Tensor sorted_id = local_id.index_select(0, order);
-  const at::Tensor slot = sorted_id * longest + at::arange(order.numel(), order.options()) -
-                          (per_expert.cumsum(0) - per_expert).index_select(0, sorted_id);
-  at::Tensor grouped =
-      at::zeros({el * longest, hidden}, rows.options()).index_copy(0, slot, rows.index_select(0, order));
-  grouped = grouped.view({el, longest, hidden});
-  const at::Tensor hidden_out = options.gated() ? at::silu(c_gate->forward(grouped)) * c_fc->forward(grouped)
-                                                : at::gelu(c_fc->forward(grouped));
-  const at::Tensor expert_out = c_proj->forward(hidden_out);
+  at::Tensor expert_out = run_experts(rows.index_select(0, order), per_expert, sorted_id);
+  if (split) expert_out = comm::reduce_from_group(expert_out, groups_.expert_tensor);
+  if (c_proj->bias.defined()) expert_out = expert_out + c_proj->bias.index_select(0, sorted_id);
   const at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
-  at::Tensor back = expert_out.reshape({el * longest, hidden}).index_select(0, slot).index_select(0, inverse);
+  at::Tensor back = expert_out.index_select(0, inverse);
   if (ep > 1) back = comm::all_to_all_rows(back, recv_splits, send_splits, groups_.expert);
 
   at::Tensor out = at::zeros({tokens, hidden}, back.options())
                        .index_add(0, r.token, back * r.gate.to(back.scalar_type()).unsqueeze(1));
   out = out.view(x.sizes());
+  if (!shared_expert.is_empty()) {
+    at::Tensor shared = shared_expert->forward(x);
+    if (!shared_expert_gate.is_empty()) shared = shared * at::sigmoid(shared_expert_gate->forward(x));
+    out = out + shared;
+  }
 
   // Global statistics (Note [MoE auxiliary losses]): one all-reduce on the
   // device, one read to the host.

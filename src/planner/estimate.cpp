@@ -30,9 +30,14 @@ double stage_forward_flops(const ModelDesc& model, const Plan& plan, const Stage
   const double mlp = model.mlp_matrices() * h * model.ffn_width();
   const double a = static_cast<double>(model.attention_width());
   const double attention = 2 * h * a + 2 * h * static_cast<double>(model.kv_width());  // q, k, v, output
+  // A MoE layer (router, routed and shared experts) runs whole on every
+  // tensor rank, so its FLOPs are not split over the tensor group.
+  const double moe = model.top_k() * mlp + h * model.experts() +
+                     model.mlp_matrices() * h * static_cast<double>(model.shared_expert_ffn()) +
+                     (model.shared_expert_gate() ? h : 0.0);
   double flops = 0;
   for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
-    const double mlp_active = model.moe_block(b) ? model.top_k() * mlp + h * model.experts() : mlp;
+    const double mlp_active = model.moe_block(b) ? moe * c.tensor() : mlp;
     flops += 2 * tokens * (attention + mlp_active) + 4 * tokens * s * a;
   }
   if (st.head) flops += 2 * tokens * model.vocab() * h;

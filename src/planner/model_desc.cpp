@@ -47,10 +47,16 @@ int64_t ModelDesc::mlp_params() const {
 
 int64_t ModelDesc::router_params() const { return hidden_ * experts_; }
 
+int64_t ModelDesc::shared_params() const {
+  const int64_t h = hidden_, f = shared_expert_ffn_;
+  if (f == 0) return 0;
+  return mlp_matrices_ * h * f + (bias_ ? (mlp_matrices_ - 1) * f + h : 0) + (shared_expert_gate_ ? h : 0);
+}
+
 int64_t ModelDesc::block_params(int64_t block) const {
   if (!moe_block(block)) return attention_params() + mlp_params();
   const int64_t norm = norm_params();
-  return attention_params() + norm + router_params() + experts_ * (mlp_params() - norm);
+  return attention_params() + norm + router_params() + shared_params() + experts_ * (mlp_params() - norm);
 }
 
 int64_t ModelDesc::embedding_params() const { return (vocab_ + positions_) * hidden_; }
@@ -67,7 +73,8 @@ int64_t ModelDesc::params() const {
 int64_t ModelDesc::active_params() const {
   if (opaque()) return opaque_params_;
   const int64_t norm = norm_params();
-  const int64_t moe_active = attention_params() + norm + router_params() + top_k_ * (mlp_params() - norm);
+  const int64_t moe_active =
+      attention_params() + norm + router_params() + shared_params() + top_k_ * (mlp_params() - norm);
   return params() + moe_blocks() * (moe_active - block_params(moe_every_ - 1));
 }
 
@@ -82,6 +89,8 @@ double ModelDesc::flops_per_sequence() const {
   if (bias_) {
     biases += layers_ * (h + (mlp_matrices_ - 1) * ffn_width() + h);
     biases += static_cast<double>(moe_blocks()) * (top_k_ - 1) * ((mlp_matrices_ - 1) * ffn_width() + h);
+    if (shared_expert_ffn_ > 0)
+      biases += static_cast<double>(moe_blocks()) * ((mlp_matrices_ - 1) * shared_expert_ffn_ + h);
   }
   double matmul = static_cast<double>(active_params()) - norms - biases - static_cast<double>(positions_) * h;
   if (!tied_) matmul -= static_cast<double>(vocab_) * h;  // the input embedding is a lookup
@@ -112,6 +121,8 @@ ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
       .experts(config.experts())
       .moe_every(config.moe_every())
       .top_k(config.top_k())
+      .shared_expert_ffn(config.shared_expert_ffn())
+      .shared_expert_gate(config.shared_expert_gate())
       // Note [Fused attention] in src/nn/attention.cpp: LibTorch 2 runs
       // tessera's attention fused when it drops nothing (except bf16 on
       // CPU, which the planner does not tell apart: it counts the scores
@@ -164,6 +175,7 @@ std::string ModelDesc::to_string() const {
   if (opaque()) return fmt::format("{} ({:.1f}M params)", name_, params() / 1e6);
   std::string s = fmt::format("{} L{} h{} a{} s{} v{}", name_, layers_, hidden_, heads_, seq_, vocab_);
   if (experts_ > 0) s += fmt::format(" e{}/{}k{}", experts_, moe_every_, top_k_);
+  if (shared_expert_ffn_ > 0) s += fmt::format(" shared{}{}", shared_expert_ffn_, shared_expert_gate_ ? "g" : "");
   return s + fmt::format(" ({:.1f}M params)", params() / 1e6);
 }
 

@@ -1,12 +1,13 @@
 #include "tessera/train/gpt_run.h"
 
 #include "tessera/context/hosts.h"
+#include "tessera/context/layout.h"
 #include "tessera/core/remove_tree.h"
+#include "tessera/infer/hf_checkpoint.h"
+#include "tessera/infer/windowed_gpt.h"
 #include "tessera/nn/layer_factory.h"
 #include "tessera/optim/by_name.h"
 #include "tessera/train/checkpoint.h"
-#include "tessera/infer/hf_checkpoint.h"
-#include "tessera/infer/windowed_gpt.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -52,7 +53,12 @@ TrainModel gpt_train_model(const std::shared_ptr<models::GPTImpl>& gpt, Precisio
 std::shared_ptr<models::GPTImpl> build_gpt(const models::GPTConfig& config, const context::ParallelContextPtr& ctx,
                                            const RunOptions& run, bool row_keyed_dropout) {
   at::manual_seed(run.grid().seed());
-  auto factory = nn::make_layer_factory(ctx, run.sequence_parallel(), row_keyed_dropout);
+  // The layout's rules on this model (an expert option on a dense model).
+  context::check_shape(context::Layout(ctx->config())
+                           .sequence_parallel(run.sequence_parallel())
+                           .expert_tensor_parallel(run.expert_tensor_parallel()),
+                       context::ModelShape().experts(config.experts()));
+  auto factory = nn::make_layer_factory(ctx, run.sequence_parallel(), row_keyed_dropout, run.expert_tensor_parallel());
   return std::make_shared<models::GPTImpl>(config, factory);
 }
 

@@ -38,6 +38,8 @@ void grid_options(cli::Command& c, RunOptions& r) {
   c.group("Layout");
   context::add_grid_options(c, r.grid());
   c.add("sequence-parallel", &r.sequence_parallel(), "Megatron's sequence-parallel variant of the 1D layers");
+  c.add("expert-tensor-parallel", &r.expert_tensor_parallel(),
+        "split each expert's matrices over the tensor group instead of running whole experts on every tensor rank");
   c.add("spec", &r.spec(),
         "sharding spec: ddp, zero1, zero2, zero3, fsdp, mics[:k], hpz[:k] (k omitted: the data ranks of a host), or "
         "{P,G,O}",
@@ -92,7 +94,10 @@ const std::vector<std::pair<std::string, ConfigField>>& preset_fields() {
       {"capacity-factor", TESSERA_FIELD(capacity_factor)},
       {"drop-policy", TESSERA_FIELD(drop_policy)},
       {"aux-loss-coef", TESSERA_FIELD(aux_loss_coef)},
-      {"z-loss-coef", TESSERA_FIELD(z_loss_coef)}};
+      {"z-loss-coef", TESSERA_FIELD(z_loss_coef)},
+      {"shared-expert-ffn", TESSERA_FIELD(shared_expert_ffn)},
+      {"shared-expert-gate", TESSERA_FIELD(shared_expert_gate)},
+      {"expert-compute", TESSERA_FIELD(expert_compute)}};
   return fields;
 }
 #undef TESSERA_FIELD
@@ -147,6 +152,13 @@ void model_options(cli::Command& c, RunOptions& r) {
              {"position", "probability"}, {nn::MoEDropPolicy::kPosition, nn::MoEDropPolicy::kProbability});
   c.add("aux-loss-coef", &m.aux_loss_coef(), "load-balancing loss coefficient");
   c.add("z-loss-coef", &m.z_loss_coef(), "router z-loss coefficient");
+  c.add("shared-expert-ffn", &m.shared_expert_ffn(),
+        "width of the shared experts every token passes through beside its routed ones (DeepSeekMoE, Qwen-MoE); 0: "
+        "none");
+  c.add("shared-expert-gate", &m.shared_expert_gate(), "scale the shared experts' output by a per-token sigmoid gate");
+  c.add_enum("expert-compute", &m.expert_compute(),
+             "each expert over exactly its routed rows, or all padded to the busiest in one batched matmul",
+             {"grouped", "padded"}, {nn::MoEExpertCompute::kGrouped, nn::MoEExpertCompute::kPadded});
 }
 
 void optimizer_options(cli::Command& c, RunOptions& r) {
@@ -309,9 +321,11 @@ void RunOptions::check(int world_size) const {
               "--straggler-threshold must be a fraction >= 0 (0: off), got ", straggler_threshold());
   if (!hf_init_dir().empty()) {
     // The architecture is config.json's; a flag beside it would be ignored.
-    for (const char* flag : {"model", "layers", "heads", "kv-heads", "head-dim", "hidden", "ffn", "norm", "norm-eps",
-                             "positions", "rope-theta", "mlp", "bias", "qkv-bias", "qk-norm", "tied", "experts",
-                             "top-k", "renormalize", "moe-every", "aux-loss-coef", "z-loss-coef"})
+    for (const char* flag :
+         {"model",       "layers",    "heads",         "kv-heads",    "head-dim",          "hidden",
+          "ffn",         "norm",      "norm-eps",      "positions",   "rope-theta",        "mlp",
+          "bias",        "qkv-bias",  "qk-norm",       "tied",        "experts",           "top-k",
+          "renormalize", "moe-every", "aux-loss-coef", "z-loss-coef", "shared-expert-ffn", "shared-expert-gate"})
       TORCH_CHECK(!was_given(flag), "--", flag, " with --init-from: the architecture comes from ", hf_init_dir(),
                   "/config.json; leave --", flag, " out");
   }
@@ -356,6 +370,9 @@ void RunOptions::check(int world_size) const {
   TORCH_CHECK(!elastic(), "--plan with --batch-schedule: the planner plans one fixed layout; drop one of them");
   TORCH_CHECK(!sequence_parallel(), "--plan with --sequence-parallel: the planner does not model Megatron's "
               "sequence-parallel variant yet; drop one of them");
+  TORCH_CHECK(!expert_tensor_parallel(),
+              "--plan with --expert-tensor-parallel: the planner does not model expert "
+              "tensor parallelism yet; drop one of them");
   TORCH_CHECK(resume().empty() || plan() == PlanMode::kFlags,
               "--plan auto with --resume: the plan could differ "
               "from the checkpoint's layout; give the layout flags and --plan flags");

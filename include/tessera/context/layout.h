@@ -22,6 +22,9 @@ struct Layout {
   // Every dropout keyed by the row of the global batch (Note [Row-keyed
   // dropout]), for jobs that change their data size.
   TORCH_ARG(bool, row_keyed_dropout) = false;
+  // The experts' matrices split over the 1D tensor group (Megatron's expert
+  // tensor parallelism) instead of whole experts on every tensor rank.
+  TORCH_ARG(bool, expert_tensor_parallel) = false;
 
  public:
   Layout() = default;
@@ -32,8 +35,9 @@ struct Layout {
 // combine and what to use instead: sequence parallelism, an expert group
 // and the sequence-parallel variant run on tensor mode 1d; the variant and
 // sequence parallelism split the sequence twice; experts do not combine with
-// the variant; row-keyed dropout needs 1d without sequence splits. Sizes
-// are resolve()'s business, not checked here.
+// the variant; row-keyed dropout needs 1d without sequence splits; expert
+// tensor parallelism needs tensor mode 1d without the variant. Sizes are
+// resolve()'s business, not checked here.
 void check_supported(const Layout& layout);
 
 // What a model looks like to the layout rules; 0 leaves a quantity unchecked.
@@ -57,7 +61,8 @@ struct ModelShape {
 // heads and hidden sizes split over q (q² for the 3D hidden size), rows over
 // the batch blocks, the sequence into its chunks, heads per tensor rank over
 // Ulysses' sequence ranks, experts over the expert group, and an expert
-// group or experts only where the layers carry them. Throws naming the
+// group, expert tensor parallelism or experts only where the layers carry
+// them. Throws naming the
 // quantity, the rule and the layout.
 void check_shape(const Layout& layout, const ModelShape& shape);
 

@@ -85,6 +85,14 @@ struct GPTConfig {
   TORCH_ARG(nn::MoEDropPolicy, drop_policy) = nn::MoEDropPolicy::kPosition;
   TORCH_ARG(double, aux_loss_coef) = 1e-2;
   TORCH_ARG(double, z_loss_coef) = 1e-3;
+  // Shared experts beside the routed ones (DeepSeekMoE, Qwen-MoE): an MLP of
+  // this width every token passes through in each MoE block, its output
+  // scaled by a per-token sigmoid gate with shared_expert_gate; 0: none.
+  TORCH_ARG(int64_t, shared_expert_ffn) = 0;
+  TORCH_ARG(bool, shared_expert_gate) = false;
+  // How the local experts compute (Note [Expert compute] in src/nn/moe.cpp);
+  // the same weights and results either way, so checkpoints do not record it.
+  TORCH_ARG(nn::MoEExpertCompute, expert_compute) = nn::MoEExpertCompute::kGrouped;
 
  public:
   GPTConfig() = default;

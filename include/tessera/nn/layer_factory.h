@@ -152,15 +152,17 @@ class LayerFactory {
 // mode is refused on every rank with what to use instead.
 // `row_keyed_dropout`: every dropout row-keyed, seeded equal across data
 // ranks (Note [Row-keyed dropout]), for jobs that change their data size;
-// tensor mode 1d without sequence parallelism only.
-std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx,
-                                                 bool sequence_parallel = false, bool row_keyed_dropout = false);
+// tensor mode 1d without sequence parallelism only. `expert_tensor_parallel`:
+// the MoE layers split each expert over the tensor group (MoEGroups::
+// expert_tensor) instead of running whole experts on every tensor rank.
+std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextPtr& ctx, bool sequence_parallel = false,
+                                                 bool row_keyed_dropout = false, bool expert_tensor_parallel = false);
 
 // The 1D (Megatron) factory over `tensor_group`; `sequence_parallel` selects
 // its sequence-parallel variant. `seed_block` / `seed_sharded` seed dropout
 // (ctx->seed(kData) and ctx->seed(kTensor), Note [Dropout seeds]). Its MoE
-// layers work over `experts` (experts replicated over the tensor group; not
-// in the sequence-parallel variant).
+// layers work over `experts` (experts whole on every tensor rank unless
+// experts.expert_tensor is set; not in the sequence-parallel variant).
 std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group, bool sequence_parallel,
                                               uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts = {},
                                               bool row_keyed_dropout = false);

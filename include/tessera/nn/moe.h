@@ -40,6 +40,11 @@ namespace nn {
 // order), or those with the largest gate.
 enum class MoEDropPolicy { kPosition, kProbability };
 
+// How the local experts run over their rows (Note [Expert compute] in
+// src/nn/moe.cpp): each expert's matrices over exactly the rows routed to
+// it, or one batched matmul over every expert padded to the busiest.
+enum class MoEExpertCompute { kGrouped, kPadded };
+
 // The gradient factor of the auxiliary losses, shared by a model's MoE layers.
 struct MoELossScale {
   double value = 1.0;
@@ -64,6 +69,14 @@ struct MoEOptions {
   // w1, w3) instead of GELU; experts with biases or without (Mixtral).
   TORCH_ARG(bool, gated) = false;
   TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(MoEExpertCompute, expert_compute) = MoEExpertCompute::kGrouped;
+  // Shared experts (DeepSeekMoE, Qwen-MoE): an MLP of the experts' kind and
+  // this width that every token passes through beside its routed experts
+  // (n shared experts of width f are one MLP of width n·f); 0: none. With
+  // shared_gate, its output is scaled by sigmoid(w · x) per token (Qwen-MoE's
+  // shared_expert_gate).
+  TORCH_ARG(int64_t, shared_ffn) = 0;
+  TORCH_ARG(bool, shared_gate) = false;
   // Initialization: the router, c_fc and c_gate weights N(0, init_std), c_proj
   // weights N(0, proj_init_std), biases 0, drawn blockwise from init_seed
   // (Note [Layout-independent initialization]); nullopt: draw_seed().
@@ -84,6 +97,12 @@ struct MoEGroups {
   // The number of ranks the data-parallel wrapper averages gradients over
   // (the data size; tokens' size / sequence size). 0: tokens' size.
   int64_t gradient_average = 0;
+  // Expert tensor parallelism (Megatron's ETP): each expert's matrices split
+  // over this group, whose ranks hold the same tokens (the 1D tensor group):
+  // c_fc and c_gate along ffn, c_proj along its input, the experts' outputs
+  // summed over it (Note [Expert tensor parallelism] in src/nn/moe.cpp).
+  // Null: every rank of it runs whole experts.
+  comm::CommunicatorPtr expert_tensor;
 };
 
 // What the last forward measured over the global batch.
@@ -92,6 +111,10 @@ struct MoEStats {
   double z_loss = 0;
   std::vector<int64_t> tokens_per_expert;  // assignments routed to each expert
   int64_t dropped = 0;                     // assignments over capacity
+  // This rank's local experts, not the global batch: the rows they were
+  // routed and the rows they ran (more when padded to the busiest expert).
+  int64_t rows_routed = 0;
+  int64_t rows_computed = 0;
 };
 
 // The local experts' linear layers, stacked: weight [E_l, out, in], bias
@@ -114,6 +137,26 @@ class ExpertLinearImpl : public torch::nn::Cloneable<ExpertLinearImpl> {
 };
 
 TORCH_MODULE(ExpertLinear);
+
+// The shared experts: one dense MLP c_proj(act(c_fc x)) (SwiGLU with c_gate
+// when gated), replicated like any dense layer.
+class SharedExpertImpl : public torch::nn::Cloneable<SharedExpertImpl> {
+ public:
+  SharedExpertImpl(int64_t hidden, int64_t ffn, bool gated, bool bias)
+      : hidden_(hidden), ffn_(ffn), gated_(gated), bias_(bias) {
+    reset();
+  }
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear c_fc{nullptr}, c_gate{nullptr}, c_proj{nullptr};
+
+ private:
+  int64_t hidden_, ffn_;
+  bool gated_, bias_;
+};
+
+TORCH_MODULE(SharedExpert);
 
 class MoEImpl : public torch::nn::Cloneable<MoEImpl>, public PlacedModule {
  public:
@@ -138,13 +181,22 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl>, public PlacedModule {
   // c_fc [E_l, ffn, hidden], c_proj [E_l, hidden, ffn] and, gated, c_gate
   // [E_l, ffn, hidden] (the mlp slot's names).
   ExpertLinear c_fc{nullptr}, c_proj{nullptr}, c_gate{nullptr};
+  // With shared_ffn > 0: shared_expert and, with shared_gate,
+  // shared_expert_gate [1, hidden] (Qwen-MoE's names).
+  SharedExpert shared_expert{nullptr};
+  torch::nn::Linear shared_expert_gate{nullptr};
 
  private:
   NamedPlacements expert_placements();
+  // The local experts over rows sorted by local expert: `per_expert` the
+  // rows of each (host values), `id` each row's local expert. Without
+  // c_proj's bias, which is added after the sum over the expert-tensor group.
+  at::Tensor run_experts(const at::Tensor& rows, const std::vector<int64_t>& per_expert, const at::Tensor& id);
 
   MoEGroups groups_;
   std::shared_ptr<MoELossScale> loss_scale_;
   int64_t local_experts_ = 0;
+  int64_t local_ffn_ = 0;  // ffn over the expert-tensor group
   uint64_t seed_ = 0;
   MoEStats stats_;
 };

@@ -60,6 +60,10 @@ struct ModelDesc {
   TORCH_ARG(int64_t, experts) = 0;
   TORCH_ARG(int64_t, moe_every) = 1;
   TORCH_ARG(int64_t, top_k) = 1;
+  // Shared experts in each MoE block: an MLP of this width (0: none), and
+  // its per-token gate [1, hidden].
+  TORCH_ARG(int64_t, shared_expert_ffn) = 0;
+  TORCH_ARG(bool, shared_expert_gate) = false;
   // Attention that keeps no [heads, s, s] scores for backward (FlashAttention).
   // gpt() sets it as tessera's attention runs: fused on LibTorch 2 without
   // dropout, explicit (scores kept) on 1.13 or with dropout.
@@ -88,6 +92,7 @@ struct ModelDesc {
   int64_t attention_params() const;  // one block's attention and its norm
   int64_t mlp_params() const;        // one dense MLP and its norm
   int64_t router_params() const;     // one MoE layer's router
+  int64_t shared_params() const;     // one MoE layer's shared experts and their gate
   int64_t block_params(int64_t block) const;
   int64_t embedding_params() const;  // tokens and positions
   int64_t head_params() const;       // final norm, and the LM head when untied

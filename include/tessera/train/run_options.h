@@ -41,6 +41,7 @@ struct RunOptions {
   // windows and every dropout stream.
   TORCH_ARG(context::ParallelConfig, grid);
   TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(bool, expert_tensor_parallel) = false;
   TORCH_ARG(parallel::ShardingSpec, spec) = parallel::ShardingSpec::ddp();
   TORCH_ARG(parallel::ScheduleKind, schedule) = parallel::ScheduleKind::k1F1B;
   TORCH_ARG(int64_t, microbatches) = 0;  // 0: 2 x pipeline size
