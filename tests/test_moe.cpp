@@ -97,6 +97,7 @@ at::Tensor dout_of(int64_t d) { return test::device_randn({2, kTokens / 2, kHidd
 
 struct SerialResult {
   std::vector<at::Tensor> outputs;  // per data rank
+  std::vector<at::Tensor> input_grads;  // per data rank: d loss / d tokens
   double aux = 0, z = 0;
   Weights grads;
 };
@@ -108,12 +109,15 @@ struct SerialResult {
 SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const nn::MoEOptions& o) {
   const int64_t experts = w["router.weight"].size(0);
   SerialResult res;
+  std::vector<at::Tensor> inputs;
   at::Tensor loss = at::zeros({}, test::device_options(at::kFloat));
   at::Tensor routed = at::zeros({experts}, test::device_options(at::kDouble));
   at::Tensor prob_sum = at::zeros({experts}, test::device_options(at::kFloat));
   at::Tensor z_sum = at::zeros({}, test::device_options(at::kFloat));
   for (int64_t d = 0; d < dp; ++d) {
-    const at::Tensor x = tokens_of(d, step).reshape({-1, kHidden});
+    const at::Tensor leaf = tokens_of(d, step).requires_grad_();
+    inputs.push_back(leaf);
+    const at::Tensor x = leaf.reshape({-1, kHidden});
     const at::Tensor logits = at::matmul(x, w["router.weight"].t());
     const at::Tensor probs = at::softmax(logits, -1);
     const auto top = probs.topk(c.top_k, -1);
@@ -166,6 +170,7 @@ SerialResult serial_step(Weights& w, const Case& c, int64_t dp, int step, const 
   res.z = z.item<double>();
   (loss + o.aux_loss_coef() * aux + o.z_loss_coef() * z).backward();
   for (auto& [name, t] : w) res.grads[name] = t.grad().clone();
+  for (const at::Tensor& leaf : inputs) res.input_grads.push_back(leaf.grad().clone());
   return res;
 }
 
@@ -235,12 +240,19 @@ void expect_equal_to_serial(int ep, const Case& c, const std::string& spec, int 
     serial_opt.zero_grad();
     const SerialResult ref = serial_step(serial, c, dp, step, o);
     run.opt->zero_grad();
-    const at::Tensor out = run.sharded->run([&] { return run.moe->forward(tokens_of(d, step)); });
+    const at::Tensor tokens = tokens_of(d, step).requires_grad_();
+    const at::Tensor out = run.sharded->run([&] { return run.moe->forward(tokens); });
     (out * dout_of(d)).sum().backward();
     const std::string at_step = what + ", step " + std::to_string(step);
     EXPECT_LE(test::rel_error(out, ref.outputs[d]), kRelTolerance) << at_step << ": output";
     EXPECT_NEAR(run.moe->last_stats().aux_loss, ref.aux, kRelTolerance * ref.aux) << at_step << ": aux loss";
     EXPECT_NEAR(run.moe->last_stats().z_loss, ref.z, kRelTolerance * ref.z) << at_step << ": z loss";
+    // This rank's loss is dp times its share of the serial one (the wrapper
+    // averages parameter gradients over dp; Note [MoE auxiliary losses]),
+    // so its tokens' gradient is dp times the serial one.
+    ASSERT_TRUE(tokens.grad().defined()) << at_step;
+    EXPECT_LE(test::rel_error(tokens.grad(), ref.input_grads[d] * static_cast<double>(dp)), kRelTolerance)
+        << at_step << ": gradient of the tokens";
     if (g_skewed && step == 0) {
       const auto& routed = run.moe->last_stats().tokens_per_expert;
       EXPECT_EQ(routed[0], dp * kTokens) << at_step;
