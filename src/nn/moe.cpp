@@ -181,26 +181,19 @@ void MoEImpl::reset() {
   if (o.gated()) c_gate = register_module("c_gate", ExpertLinear(local_experts_, o.hidden(), local_ffn_, o.bias()));
   c_fc = register_module("c_fc", ExpertLinear(local_experts_, o.hidden(), local_ffn_, o.bias()));
   c_proj = register_module("c_proj", ExpertLinear(local_experts_, local_ffn_, o.hidden(), o.bias()));
-  if (o.shared_ffn() > 0)
-    shared_expert = register_module("shared_expert", SharedExpert(o.hidden(), o.shared_ffn(), o.gated(), o.bias()));
+  if (o.shared_ffn() > 0) {
+    auto linear = [&](int64_t in, int64_t out) {
+      return torch::nn::AnyModule(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(o.bias())));
+    };
+    const int64_t h = o.hidden(), f = o.shared_ffn();
+    shared_expert = register_module("shared_expert", o.gated() ? MLP(linear(h, f), linear(h, f), linear(f, h),
+                                                                     [](const at::Tensor& x) { return x; })
+                                                               : MLP(linear(h, f), linear(f, h)));
+  }
   if (o.shared_gate())
     shared_expert_gate =
         register_module("shared_expert_gate", torch::nn::Linear(torch::nn::LinearOptions(o.hidden(), 1).bias(false)));
   reset_parameters();
-}
-
-void SharedExpertImpl::reset() {
-  auto linear = [&](const char* name, int64_t in, int64_t out) {
-    return register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias_)));
-  };
-  c_fc = linear("c_fc", hidden_, ffn_);
-  if (gated_) c_gate = linear("c_gate", hidden_, ffn_);
-  c_proj = linear("c_proj", ffn_, hidden_);
-}
-
-at::Tensor SharedExpertImpl::forward(const at::Tensor& x) {
-  const at::Tensor h = gated_ ? at::silu(c_gate->forward(x)) * c_fc->forward(x) : at::gelu(c_fc->forward(x));
-  return c_proj->forward(h);
 }
 
 void MoEImpl::reset_parameters() {
@@ -272,7 +265,7 @@ at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const std::vector<int64_
     // Slot of each row in [E_l, longest, hidden].
     const int64_t longest = *std::max_element(per_expert.begin(), per_expert.end());
     stats_.rows_computed = el * longest;
-    const at::Tensor counts = at::tensor(per_expert, at::kLong).to(rows.device());
+    const at::Tensor counts = at::bincount(id, {}, el);
     const at::Tensor slot =
         id * longest + at::arange(id.numel(), id.options()) - (counts.cumsum(0) - counts).index_select(0, id);
     const at::Tensor grouped =

@@ -19,6 +19,7 @@
 // whoever scales the main loss before backward (1/accumulation, a loss
 // scaler, 1/micro-batches) sets the same factor there.
 #include "tessera/comm/communicator.h"
+#include "tessera/nn/attention.h"
 #include "tessera/nn/placement.h"
 
 #include <ATen/core/Tensor.h>
@@ -138,26 +139,6 @@ class ExpertLinearImpl : public torch::nn::Cloneable<ExpertLinearImpl> {
 
 TORCH_MODULE(ExpertLinear);
 
-// The shared experts: one dense MLP c_proj(act(c_fc x)) (SwiGLU with c_gate
-// when gated), replicated like any dense layer.
-class SharedExpertImpl : public torch::nn::Cloneable<SharedExpertImpl> {
- public:
-  SharedExpertImpl(int64_t hidden, int64_t ffn, bool gated, bool bias)
-      : hidden_(hidden), ffn_(ffn), gated_(gated), bias_(bias) {
-    reset();
-  }
-  void reset() override;
-  at::Tensor forward(const at::Tensor& x);
-
-  torch::nn::Linear c_fc{nullptr}, c_gate{nullptr}, c_proj{nullptr};
-
- private:
-  int64_t hidden_, ffn_;
-  bool gated_, bias_;
-};
-
-TORCH_MODULE(SharedExpert);
-
 class MoEImpl : public torch::nn::Cloneable<MoEImpl>, public PlacedModule {
  public:
   MoEImpl(const MoEOptions& options, MoEGroups groups = {}, std::shared_ptr<MoELossScale> loss_scale = nullptr);
@@ -181,9 +162,10 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl>, public PlacedModule {
   // c_fc [E_l, ffn, hidden], c_proj [E_l, hidden, ffn] and, gated, c_gate
   // [E_l, ffn, hidden] (the mlp slot's names).
   ExpertLinear c_fc{nullptr}, c_proj{nullptr}, c_gate{nullptr};
-  // With shared_ffn > 0: shared_expert and, with shared_gate,
-  // shared_expert_gate [1, hidden] (Qwen-MoE's names).
-  SharedExpert shared_expert{nullptr};
+  // With shared_ffn > 0: shared_expert, the block's MLP of the experts' kind
+  // over plain linears (c_fc, c_gate when gated, c_proj), and, with
+  // shared_gate, shared_expert_gate [1, hidden] (Qwen-MoE's names).
+  MLP shared_expert{nullptr};
   torch::nn::Linear shared_expert_gate{nullptr};
 
  private:
