@@ -1,5 +1,6 @@
 // sequence: the GPT with its tokens split over every rank in each sequence
-// mode (ulysses, ring with the zigzag split, rsa), against the 1D
+// mode (ulysses, ring with the zigzag split, rsa, hybrid: Ulysses over
+// --ulysses adjacent ranks and a zigzag ring across them), against the 1D
 // tensor-parallel GPT on the same ranks, as the sequence grows. One JSON line
 // per (mode, sequence length) with:
 //   step_ms            one training step (forward, loss, backward, gradient
@@ -16,7 +17,7 @@
 // At one rank every mode is the serial GPT: `--modes 1d` gives the
 // single-rank figures.
 //
-//   mpirun -np 4 sequence --seqs 1024,2048,4096,8192 --modes 1d,ulysses,ring,rsa --budget-mb 512
+//   mpirun -np 4 sequence --seqs 1024,2048,4096,8192 --modes 1d,ulysses,ring,rsa,hybrid --budget-mb 512
 //   mpirun -np 1 sequence --modes 1d --budget-mb 100000
 //
 // Every option and its default: sequence --help (docs/cli.md). It chooses
@@ -44,7 +45,7 @@ using tessera::context::SequenceSplit;
 
 struct Args {
   int64_t layers = 2, hidden = 128, heads = 4, batch = 1, vocab = 512, budget_mb = 512;
-  int64_t steps = 1, warmup = 1, rounds = 1;
+  int64_t steps = 1, warmup = 1, rounds = 1, ulysses = 2;
   std::string seqs = "1024,2048,4096,8192";
   std::string modes = "1d,ulysses,ring,rsa";
 };
@@ -55,7 +56,8 @@ tessera::cli::Command command(Args& a) {
                           "grows");
   c.group("Runs");
   c.add("seqs", &a.seqs, "sequence lengths, comma-separated");
-  c.add("modes", &a.modes, "modes to run, a comma-separated subset of 1d,ulysses,ring,rsa");
+  c.add("modes", &a.modes, "modes to run, a comma-separated subset of 1d,ulysses,ring,rsa,hybrid");
+  c.add("ulysses", &a.ulysses, "hybrid: the Ulysses group's size (divides the ranks, leaves a ring of 2 or more)");
   c.add("budget-mb", &a.budget_mb, "memory per rank in MiB for the longest sequence that fits");
   c.group("Model");
   c.add("layers", &a.layers, "GPT blocks");
@@ -96,6 +98,11 @@ int64_t analytical_elements(const ParallelConfig& c, const Args& a, int64_t seq,
     case SequenceMode::kUlysses:
       per_layer = 8 * e;
       break;
+    case SequenceMode::kHybrid: {  // Ulysses over U, ring over p/U on the same e
+      const int64_t r = p / c.sequence_ulysses();
+      per_layer = 8 * e + 2 * 2 * (3 * r - 2) * e;
+      break;
+    }
   }
   return L * per_layer + 1 + 3 * a.batch * (seq / p) + params;
 }
@@ -112,12 +119,17 @@ int run(const Args& a) {
       {"1d", ParallelConfig().tensor(n)},
       {"ulysses", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kUlysses)},
       {"ring", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kRing).sequence_split(SequenceSplit::kZigzag)},
-      {"rsa", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kRsa)}};
+      {"rsa", ParallelConfig().sequence(n).sequence_mode(SequenceMode::kRsa)},
+      {"hybrid", ParallelConfig()
+                     .sequence(n)
+                     .sequence_mode(SequenceMode::kHybrid)
+                     .sequence_ulysses(static_cast<int>(a.ulysses))
+                     .sequence_split(SequenceSplit::kZigzag)}};
   std::stringstream listed(a.modes);
   for (std::string name; std::getline(listed, name, ',');) {
     const bool known = std::any_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; });
     TORCH_CHECK(known, "--modes lists '", name, "', which is not a mode of this benchmark; use a comma-separated ",
-                "subset of 1d,ulysses,ring,rsa");
+                "subset of 1d,ulysses,ring,rsa,hybrid");
   }
   for (const Mode& mode : modes) {
     if (("," + a.modes + ",").find("," + mode.name + ",") == std::string::npos) continue;

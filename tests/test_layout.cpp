@@ -75,6 +75,10 @@ TEST(LayoutRules, ShapesEachLayoutNeeds) {
   EXPECT_ERROR_CONTAINS(check_shape(Layout(ParallelConfig().tensor(2).sequence(4)), ModelShape(gpt).seq(16)),
                         "heads per tensor rank 2", "Ulysses");
   check_shape(Layout(ParallelConfig().tensor(2).sequence(4).sequence_mode(SequenceMode::kRing)), gpt);
+  const ParallelConfig hybrid = ParallelConfig().tensor(2).sequence(8).sequence_mode(SequenceMode::kHybrid);
+  check_shape(Layout(ParallelConfig(hybrid).sequence_ulysses(2)), gpt);
+  EXPECT_ERROR_CONTAINS(check_shape(Layout(ParallelConfig(hybrid).sequence_ulysses(4)), gpt), "heads per tensor rank 2",
+                        "hybrid", "Ulysses groups");
   EXPECT_ERROR_CONTAINS(check_shape(Layout(ParallelConfig().data(2).expert(2)), gpt), "expert size 2",
                         "no mixture-of-experts blocks");
   EXPECT_ERROR_CONTAINS(check_shape(Layout(ParallelConfig().data(2).expert(2)), ModelShape(gpt).experts(3)),

@@ -73,6 +73,14 @@ struct LayoutCase {
 ParallelConfig ring(int sp, SequenceSplit split) {
   return ParallelConfig().sequence(sp).sequence_mode(SequenceMode::kRing).sequence_split(split);
 }
+// Hybrid: Ulysses over `ulysses` adjacent sequence ranks, a zigzag ring across.
+ParallelConfig hybrid(int sp, int ulysses) {
+  return ParallelConfig()
+      .sequence(sp)
+      .sequence_mode(SequenceMode::kHybrid)
+      .sequence_ulysses(ulysses)
+      .sequence_split(SequenceSplit::kZigzag);
+}
 
 const std::vector<LayoutCase>& cases() {
   static const std::vector<LayoutCase> all = {
@@ -84,6 +92,7 @@ const std::vector<LayoutCase>& cases() {
       {"llama ring zigzag sp2", 4, "llama", ring(2, SequenceSplit::kZigzag)},
       {"llama ring zigzag sp4", 4, "llama", ring(4, SequenceSplit::kZigzag)},
       {"llama ulysses sp2", 4, "llama", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kUlysses)},
+      {"llama hybrid sp4 = ulysses 2 x zigzag ring 2", 4, "llama", hybrid(4, 2)},
       {"llama pp2 1f1b", 4, "llama", ParallelConfig().pipeline(2), false, 0, "ddp", parallel::ScheduleKind::k1F1B, 4},
       {"llama pp2 zb-h2", 4, "llama", ParallelConfig().pipeline(2), false, 0, "ddp",
        parallel::ScheduleKind::kZeroBubbleH2, 4},
@@ -101,6 +110,7 @@ const std::vector<LayoutCase>& cases() {
       {"llama zero3 tp2 pp2", 8, "llama", ParallelConfig().tensor(2).pipeline(2), false, 0, "zero3",
        parallel::ScheduleKind::k1F1B, 2},
       {"mixtral ep4 tp2", 8, "mixtral", ParallelConfig().tensor(2).expert(4)},
+      {"llama hybrid sp4 = ulysses 2 x zigzag ring 2, tp2", 8, "llama", hybrid(4, 2).tensor(2)},
   };
   return all;
 }

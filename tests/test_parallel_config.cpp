@@ -29,7 +29,7 @@ TEST(ParallelConfigNames, RoundTrip) {
   }
   EXPECT_EQ(tensor_mode_name(TensorMode::k2p5D), "2.5d");
   EXPECT_EQ(parse_tensor_mode("2D"), TensorMode::k2D);
-  for (SequenceMode m : {SequenceMode::kUlysses, SequenceMode::kRing}) {
+  for (SequenceMode m : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa, SequenceMode::kHybrid}) {
     EXPECT_EQ(parse_sequence_mode(sequence_mode_name(m)), m);
   }
   EXPECT_ERROR_CONTAINS(parse_tensor_mode("4d"), "unknown tensor mode '4d'", "1d, 2d, 2.5d, 3d");
@@ -114,6 +114,23 @@ TEST(ParallelConfigResolve, ExpertMustDivideData) {
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().tensor(2).expert(3), 8), "expert size 3 does not divide data size 4");
 }
 
+// Hybrid: 1 < ulysses < sequence, dividing it; no Ulysses size elsewhere.
+TEST(ParallelConfigResolve, HybridUlyssesSize) {
+  const ParallelConfig hybrid = ParallelConfig().sequence(4).sequence_mode(SequenceMode::kHybrid);
+  EXPECT_EQ(resolve(ParallelConfig(hybrid).sequence_ulysses(2), 8).data(), 2);
+  EXPECT_EQ(to_string(ParallelConfig(hybrid).sequence_ulysses(2).sequence_split(SequenceSplit::kZigzag)),
+            "dp=auto pp=1 tp=1(1d) sp=4(hybrid,ulysses=2,zigzag) ep=1 order=tp-sp-dp-pp seed=42");
+  EXPECT_ERROR_CONTAINS(resolve(hybrid, 4), "sequence ulysses size 1 does not fit sequence size 4",
+                        "1 < ulysses < sequence", "mode ring for ulysses 1");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig(hybrid).sequence_ulysses(4), 4), "ulysses size 4 does not fit",
+                        "mode ulysses for ulysses = sequence");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig(hybrid).sequence(6).sequence_ulysses(4), 6),
+                        "ulysses size 4 does not fit sequence size 6", "dividing it");
+  EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().sequence(4).sequence_mode(SequenceMode::kRing).sequence_ulysses(2), 4),
+                        "sequence ulysses size 2 is set but sequence mode ring", "only sequence mode hybrid");
+  EXPECT_EQ(resolve(ParallelConfig().sequence_mode(SequenceMode::kHybrid), 2).data(), 2) << "sp 1: nothing to split";
+}
+
 TEST(ParallelConfigResolve, OrderIsAPermutation) {
   EXPECT_EQ(parse_order("pp-dp-sp-tp"), (std::vector<Dim>{Dim::kPipeline, Dim::kData, Dim::kSequence, Dim::kTensor}));
   EXPECT_ERROR_CONTAINS(resolve(ParallelConfig().order("tp-sp-dp"), 1), "order 'tp-sp-dp' is missing dimension 'pp'",
@@ -127,16 +144,20 @@ TEST(ParallelConfigResolve, OrderIsAPermutation) {
 }
 
 TEST(ParallelConfigFlags, ReadsEveryFlag) {
-  const ParallelConfig c = from_args({"--dp", "2", "--pp=3", "--tp", "8", "--tp-mode", "2.5d", "--tp-depth=2", "--sp",
-                                      "2", "--sp-mode=ring", "--ep", "2", "--order", "dp-tp-sp-pp", "--seed", "7"});
+  const ParallelConfig c =
+      from_args({"--dp", "2",       "--pp=3",           "--tp",       "8",      "--tp-mode",    "2.5d", "--tp-depth=2",
+                 "--sp", "4",       "--sp-mode=hybrid", "--sp-split", "zigzag", "--sp-ulysses", "2",    "--ep",
+                 "2",    "--order", "dp-tp-sp-pp",      "--seed",     "7"});
   const ParallelConfig expected = ParallelConfig()
                                       .data(2)
                                       .pipeline(3)
                                       .tensor(8)
                                       .tensor_mode(TensorMode::k2p5D)
                                       .tensor_depth(2)
-                                      .sequence(2)
-                                      .sequence_mode(SequenceMode::kRing)
+                                      .sequence(4)
+                                      .sequence_mode(SequenceMode::kHybrid)
+                                      .sequence_split(SequenceSplit::kZigzag)
+                                      .sequence_ulysses(2)
                                       .expert(2)
                                       .order("dp-tp-sp-pp")
                                       .seed(7);
@@ -173,7 +194,7 @@ TEST(ParallelConfigJson, ReadsEveryKey) {
   const ParallelConfig c = config_from_json(R"({
       "data": 2, "pipeline": 3,
       "tensor": {"size": 8, "mode": "2.5d", "depth": 2},
-      "sequence": {"size": 2, "mode": "ring"},
+      "sequence": {"size": 4, "mode": "hybrid", "split": "zigzag", "ulysses": 2},
       "expert": 2, "order": "dp-tp-sp-pp", "seed": 18446744073709551615})");
   const ParallelConfig expected = ParallelConfig()
                                       .data(2)
@@ -181,8 +202,10 @@ TEST(ParallelConfigJson, ReadsEveryKey) {
                                       .tensor(8)
                                       .tensor_mode(TensorMode::k2p5D)
                                       .tensor_depth(2)
-                                      .sequence(2)
-                                      .sequence_mode(SequenceMode::kRing)
+                                      .sequence(4)
+                                      .sequence_mode(SequenceMode::kHybrid)
+                                      .sequence_split(SequenceSplit::kZigzag)
+                                      .sequence_ulysses(2)
                                       .expert(2)
                                       .order("dp-tp-sp-pp")
                                       .seed(18446744073709551615ULL);

@@ -49,6 +49,7 @@ struct Case {
   // 2 kv heads of 8, SwiGLU, no biases), "qwen3" (llama with q/k norms and
   // head_dim 16 != hidden / heads).
   std::string family = "gpt";
+  bool expert_tensor_parallel = false;
 };
 
 models::GPTConfig gpt_config(const Case& c) {
@@ -81,7 +82,8 @@ Measured run_case(const Case& c, const comm::CommunicatorPtr& world) {
   auto traced = std::make_shared<comm::TracingCommunicator>(world, trace, control);
   auto ctx = context::ParallelContext::create(traced, c.grid);
   torch::manual_seed(1);
-  auto gpt = std::make_shared<models::GPTImpl>(gpt_config(c), nn::make_layer_factory(ctx));
+  auto gpt = std::make_shared<models::GPTImpl>(gpt_config(c),
+                                               nn::make_layer_factory(ctx, false, false, c.expert_tensor_parallel));
   auto make = [](const std::vector<std::pair<std::string, at::Tensor>>& named) {
     std::vector<at::Tensor> params;
     for (const auto& p : named) params.push_back(p.second);
@@ -107,12 +109,17 @@ Measured run_case(const Case& c, const comm::CommunicatorPtr& world) {
   for (const auto& [key, record] : trace->snapshot())
     if (record.calls > 0) m.bytes[key] = static_cast<double>(record.bytes);
   // What an expert rank sends back depends on the routing; the mean over
-  // the expert group does not (dropless: every row sent is received).
-  const auto a2a = std::make_pair(ctx->comm(ParallelMode::kExpert)->name(), OpType::kAllToAll);
+  // the expert group does not (dropless: every row sent is received). The
+  // same holds for the rows expert tensor parallelism sums over the tensor
+  // group, beside the dense layers' all-reduces, equal across the group.
+  std::vector<std::pair<std::string, OpType>> routed = {{ctx->comm(ParallelMode::kExpert)->name(), OpType::kAllToAll}};
+  if (c.expert_tensor_parallel) routed.emplace_back(ctx->comm(ParallelMode::kTensor)->name(), OpType::kAllReduce);
   if (ctx->size(ParallelMode::kExpert) > 1) {
-    at::Tensor b = at::tensor({m.bytes[a2a]}, at::kDouble);
-    ctx->comm(ParallelMode::kExpert)->control()->all_reduce(b);
-    m.bytes[a2a] = b.item<double>() / ctx->size(ParallelMode::kExpert);
+    for (const auto& key : routed) {
+      at::Tensor b = at::tensor({m.bytes[key]}, at::kDouble);
+      ctx->comm(ParallelMode::kExpert)->control()->all_reduce(b);
+      m.bytes[key] = b.item<double>() / ctx->size(ParallelMode::kExpert);
+    }
   }
   m.memory = trainer.memory();
   if (std::getenv("PLANNER_DEBUG")) {
@@ -136,6 +143,7 @@ planner::Plan plan_of(const Case& c, int world) {
   p.micro_batches = c.micro_batches;
   p.schedule = c.schedule;
   p.chunks = c.chunks;
+  p.expert_tensor_parallel = c.expert_tensor_parallel;
   return p;
 }
 
@@ -159,14 +167,25 @@ std::vector<Case> cases() {
                  0, true, 64});
   for (SequenceMode m : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa})
     out.push_back({"sp2_" + context::sequence_mode_name(m), ParallelConfig().sequence(2).sequence_mode(m), "ddp"});
+  out.push_back({"sp4_hybrid_zigzag",
+                 ParallelConfig()
+                     .sequence(4)
+                     .sequence_mode(SequenceMode::kHybrid)
+                     .sequence_ulysses(2)
+                     .sequence_split(context::SequenceSplit::kZigzag),
+                 "ddp"});
   out.push_back({"ep2_moe", ParallelConfig().expert(2), "ddp", 1, ScheduleKind::k1F1B, 1, 4});
   out.push_back({"ep2_moe_zero2", ParallelConfig().expert(2), "zero2", 1, ScheduleKind::k1F1B, 1, 4});
+  out.push_back({"ep2_tp2_moe", ParallelConfig().tensor(2).expert(2), "ddp", 1, ScheduleKind::k1F1B, 1, 4});
+  Case etp{"ep2_tp2_etp_zero2", ParallelConfig().tensor(2).expert(2), "zero2", 1, ScheduleKind::k1F1B, 1, 4};
+  etp.expert_tensor_parallel = true;
+  out.push_back(etp);
   // The Llama family's shapes in every mode.
   const size_t gpt_cases = out.size();
   for (size_t i = 0; i < gpt_cases; ++i) {
     const Case c = out[i];  // a copy: out grows below
     const bool wanted = c.name == "dp_ddp" || c.name == "dp_zero3" || c.name == "pp2_1f1b" ||
-                        c.name.rfind("tp", 0) == 0 || c.name.rfind("sp2", 0) == 0 || c.name == "ep2_moe";
+                        c.name.rfind("tp", 0) == 0 || c.name.rfind("sp", 0) == 0 || c.name == "ep2_moe";
     if (!wanted) continue;
     for (const char* family : {"llama", "qwen3"}) {
       if (std::string(family) == "qwen3" && c.name.rfind("tp", 0) != 0) continue;
@@ -571,6 +590,29 @@ TEST(Planner, SearchRespectsTheLimitAndTheRules) {
     EXPECT_LE(r.best[i].memory.peak(), 20e9) << r.best[i].summary();
     if (i > 0) EXPECT_LE(r.best[i - 1].step_s, r.best[i].step_s);
   }
+  // Hybrid sequence parallelism is tried at every Ulysses size that leaves a
+  // ring of 2 or more, and expert tensor parallelism beside 1D tensor ranks.
+  planner::ClusterDesc one = planner::ClusterDesc::preset("a800-amsp");
+  one.nodes = 1;
+  const auto moe = planner::ModelDesc::gpt(
+      models::GPTConfig().vocab(64).context(64).layers(2).heads(8).hidden(64).experts(4).moe_every(1), 64);
+  const auto all = planner::search(moe, one,
+                                   planner::SearchOptions()
+                                       .global_batch(8)
+                                       .memory_limit(1e12)
+                                       .top(1 << 20)
+                                       .sequence_modes({SequenceMode::kHybrid})
+                                       .max_sequence(8)
+                                       .max_pipeline(1));
+  std::set<std::string> hybrid;
+  bool etp = false;
+  for (const auto& e : all.best) {
+    if (e.plan.grid.sequence() > 1)
+      hybrid.insert(fmt::format("sp{} u{}", e.plan.grid.sequence(), e.plan.grid.sequence_ulysses()));
+    etp = etp || (e.plan.expert_tensor_parallel && e.plan.grid.tensor() > 1);
+  }
+  EXPECT_EQ(hybrid, (std::set<std::string>{"sp4 u2", "sp8 u2", "sp8 u4"}));
+  EXPECT_TRUE(etp) << "no plan with expert tensor parallelism";
 }
 
 // The planner never ranks a layout the layers refuse: every layout a search
@@ -644,10 +686,13 @@ TEST(Planner, EveryLayoutAndChoiceItReturnsTrainsAStep) {
     const std::string layout = context::to_string(plan.grid) + fmt::format(" experts={}", experts);
     const std::string kind = kind_of(plan, experts);
     const bool pairs = paired_at_4.count(kind) == 0;
-    const std::vector<std::string> choices{plan.spec.to_string(), fmt::format("mb{}", plan.micro_batches),
-                                           fmt::format("{}x{}", parallel::to_string(plan.schedule), plan.chunks),
-                                           fmt::format("ckpt{}", plan.checkpoint_activations),
-                                           fmt::format("offload{}", static_cast<int>(plan.offload))};
+    std::vector<std::string> choices{plan.spec.to_string(), fmt::format("mb{}", plan.micro_batches),
+                                     fmt::format("{}x{}", parallel::to_string(plan.schedule), plan.chunks),
+                                     fmt::format("ckpt{}", plan.checkpoint_activations),
+                                     fmt::format("offload{}", static_cast<int>(plan.offload))};
+    // Expert tensor parallelism is a choice where the search tries it.
+    if (experts > 0 && plan.grid.tensor() > 1 && plan.grid.tensor_mode() == TensorMode::k1D)
+      choices.push_back(fmt::format("etp{}", plan.expert_tensor_parallel));
     std::vector<std::string> items;
     for (size_t i = 0; i < choices.size(); ++i) {
       items.push_back(fmt::format("layout {} | {}:{}", layout, i, choices[i]));

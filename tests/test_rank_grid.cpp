@@ -67,10 +67,29 @@ void expect_tensor_modes(const RankGrid& grid, TensorMode mode) {
 }
 
 TEST(ModeNames, AllModesHaveDistinctNames) {
-  const std::vector<std::string> expected = {
-      "global",   "data",      "pipeline",  "tensor",          "sequence",         "data_sequence", "model",
-      "1d",       "2d_row",    "2d_col",    "2.5d_row",        "2.5d_col",         "2.5d_dep",      "2.5d_xz",
-      "3d_input", "3d_weight", "3d_output", "3d_input_weight", "3d_output_weight", "expert",        "expert_data"};
+  const std::vector<std::string> expected = {"global",
+                                             "data",
+                                             "pipeline",
+                                             "tensor",
+                                             "sequence",
+                                             "data_sequence",
+                                             "model",
+                                             "1d",
+                                             "2d_row",
+                                             "2d_col",
+                                             "2.5d_row",
+                                             "2.5d_col",
+                                             "2.5d_dep",
+                                             "2.5d_xz",
+                                             "3d_input",
+                                             "3d_weight",
+                                             "3d_output",
+                                             "3d_input_weight",
+                                             "3d_output_weight",
+                                             "expert",
+                                             "expert_data",
+                                             "sequence_ulysses",
+                                             "sequence_ring"};
   ASSERT_EQ(all_modes().size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) {
     EXPECT_EQ(mode_name(all_modes()[i]), expected[i]);
@@ -151,6 +170,25 @@ TEST(RankGrid, Tp2Sp2Dp2) {
   expect_groups(grid, M::kModel, {{0, 1}, {2, 3}, {4, 5}, {6, 7}});
   expect_groups(grid, M::kPipeline, singletons(8));
   EXPECT_EQ(grid.local_rank(M::kDataSequence, 6), 3);
+}
+
+// Hybrid sp 4 = Ulysses 2 x ring 2 beside tp 2: sequence rank s = 2r + u
+// at global rank 2s + t; the Ulysses pairs are adjacent sequence ranks.
+TEST(RankGrid, HybridSequenceSubGroups) {
+  const RankGrid grid(ParallelConfig().tensor(2).sequence(4).sequence_mode(SequenceMode::kHybrid).sequence_ulysses(2),
+                      8);
+  expect_groups(grid, M::kSequence, {{0, 2, 4, 6}, {1, 3, 5, 7}});
+  expect_groups(grid, M::kSequenceUlysses, {{0, 2}, {1, 3}, {4, 6}, {5, 7}});
+  expect_groups(grid, M::kSequenceRing, {{0, 4}, {1, 5}, {2, 6}, {3, 7}});
+  expect_groups(grid, M::kDataSequence, {{0, 2, 4, 6}, {1, 3, 5, 7}});
+  EXPECT_EQ(grid.local_rank(M::kSequence, 6), 3);
+  EXPECT_EQ(grid.local_rank(M::kSequenceRing, 6), 1);
+  EXPECT_EQ(grid.local_rank(M::kSequenceUlysses, 6), 1);
+  // Only hybrid has them.
+  const RankGrid ring(ParallelConfig().sequence(4).sequence_mode(SequenceMode::kRing), 4);
+  EXPECT_FALSE(ring.has_mode(M::kSequenceRing));
+  EXPECT_ERROR_CONTAINS(ring.group_size(M::kSequenceUlysses), "sequence_ulysses is not available",
+                        "only in sequence mode hybrid", "mode ring");
 }
 
 TEST(RankGrid, Ep2WithinDp4) {

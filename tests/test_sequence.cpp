@@ -1,6 +1,7 @@
 // Sequence parallelism against serial computation written here in plain
 // LibTorch (attention) or in tests/reference_gpt.h (the GPT): each mode
 // (ulysses, ring, rsa) and split (contiguous, zigzag) at 2, 3 and 4 ranks,
+// hybrid (Ulysses 2 x ring 2) at 4 and with tensor parallelism at 8,
 // with 1D tensor parallelism and data parallelism; the traced bytes of each
 // attention against its formula; the largest allocation of ring attention;
 // and the refusals.
@@ -47,7 +48,18 @@ std::string case_name(const ::testing::TestParamInfo<ModeCase>& info) {
 const std::vector<ModeCase> kCases = {
     {SequenceMode::kUlysses, SequenceSplit::kContiguous}, {SequenceMode::kUlysses, SequenceSplit::kZigzag},
     {SequenceMode::kRing, SequenceSplit::kContiguous},    {SequenceMode::kRing, SequenceSplit::kZigzag},
-    {SequenceMode::kRsa, SequenceSplit::kContiguous},     {SequenceMode::kRsa, SequenceSplit::kZigzag}};
+    {SequenceMode::kRsa, SequenceSplit::kContiguous},     {SequenceMode::kRsa, SequenceSplit::kZigzag},
+    {SequenceMode::kHybrid, SequenceSplit::kContiguous},  {SequenceMode::kHybrid, SequenceSplit::kZigzag}};
+
+// Hybrid runs Ulysses over 2 adjacent ranks and the ring across the pairs:
+// the attention tests run it at 4 ranks (2 x 2).
+constexpr int kHybridUlysses = 2;
+bool attention_runs_at(const ModeCase& c, int p) { return c.mode != SequenceMode::kHybrid || p == 4; }
+
+nn::SequenceLayout layout_of(const ModeCase& c, const comm::CommunicatorPtr& group) {
+  return nn::SequenceLayout(group->size(), group->rank(), c.split,
+                            c.mode == SequenceMode::kHybrid ? kHybridUlysses : 1);
+}
 
 // Causal softmax(q·kᵀ/√d)·v over whole sequences [b, h, S, d].
 at::Tensor serial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -59,16 +71,33 @@ at::Tensor serial_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 nn::ParallelDropout no_dropout() { return nn::ParallelDropout(nn::ParallelDropoutOptions(0.0, 1)); }
 
-torch::nn::AnyModule make_attention(const ModeCase& c, int64_t head_dim, const comm::CommunicatorPtr& group) {
-  nn::SequenceLayout layout(group->size(), group->rank(), c.split);
+// The attention of mode c over `group`; hybrid's Ulysses and ring groups
+// come from a context over the group (kept in `ctx`).
+struct MadeAttention {
+  torch::nn::AnyModule module;
+  context::ParallelContextPtr ctx;
+};
+MadeAttention make_attention(const ModeCase& c, int64_t head_dim, const comm::CommunicatorPtr& group) {
+  const nn::SequenceLayout layout = layout_of(c, group);
   torch::nn::AnyModule none(torch::nn::Identity{});
   switch (c.mode) {
     case SequenceMode::kUlysses:
-      return torch::nn::AnyModule(nn::UlyssesAttention(head_dim, none, group, layout));
+      return {torch::nn::AnyModule(nn::UlyssesAttention(head_dim, none, group, layout)), nullptr};
     case SequenceMode::kRing:
-      return torch::nn::AnyModule(nn::RingAttention(head_dim, no_dropout(), group, layout));
+      return {torch::nn::AnyModule(nn::RingAttention(head_dim, no_dropout(), group, layout)), nullptr};
     case SequenceMode::kRsa:
-      return torch::nn::AnyModule(nn::RingSelfAttention(head_dim, none, group, layout));
+      return {torch::nn::AnyModule(nn::RingSelfAttention(head_dim, none, group, layout)), nullptr};
+    case SequenceMode::kHybrid: {
+      auto ctx = context::ParallelContext::create(group, ParallelConfig()
+                                                             .sequence(group->size())
+                                                             .sequence_mode(SequenceMode::kHybrid)
+                                                             .sequence_ulysses(kHybridUlysses)
+                                                             .sequence_split(c.split));
+      return {torch::nn::AnyModule(nn::HybridAttention(head_dim, no_dropout(),
+                                                       ctx->comm(context::ParallelMode::kSequenceUlysses),
+                                                       ctx->comm(context::ParallelMode::kSequenceRing), layout)),
+              ctx};
+    }
   }
   return {};
 }
@@ -81,6 +110,7 @@ TEST_P(SequenceAttention, EqualsSerialAttention) {
   auto group = test::world();
   const int p = group->size();
   if (p > 4) GTEST_SKIP() << "runs at 1 to 4 ranks";
+  if (!attention_runs_at(GetParam(), p)) GTEST_SKIP() << "hybrid (Ulysses 2 x ring 2) runs at 4 ranks";
   const int64_t b = 2, h = 12, s = 24, d = 4;  // 12 heads and 24 tokens divide for P = 1..4 in both splits
   for (auto dtype : {at::kFloat, at::kDouble}) {
     SCOPED_TRACE(c10::toString(dtype));
@@ -92,11 +122,10 @@ TEST_P(SequenceAttention, EqualsSerialAttention) {
     const at::Tensor out = serial_attention(q, k, v);
     out.backward(dout);
 
-    nn::SequenceLayout layout(p, group->rank(), GetParam().split);
-    const at::Tensor pos = layout.positions(s).to(test::device());
+    const at::Tensor pos = layout_of(GetParam(), group).positions(s).to(test::device());
     auto local = [&](const at::Tensor& t) { return t.detach().index_select(2, pos).requires_grad_(); };
     at::Tensor lq = local(q), lk = local(k), lv = local(v);
-    auto attention = make_attention(GetParam(), d, group);
+    auto attention = make_attention(GetParam(), d, group).module;
     attention.ptr()->to(test::device());
     const at::Tensor lout = attention.forward(lq, lk, lv, pos);
     lout.backward(dout.index_select(2, pos));
@@ -147,6 +176,12 @@ std::vector<ParallelConfig> gpt_configs(int world, const ModeCase& m) {
   auto base = [&](int sp, int tp) {
     return ParallelConfig().sequence(sp).tensor(tp).sequence_mode(m.mode).sequence_split(m.split);
   };
+  if (m.mode == SequenceMode::kHybrid) {
+    // Ulysses 2 x ring 2, alone at 4 ranks and beside tp 2 at 8.
+    if (world == 4) configs.push_back(base(4, 1).sequence_ulysses(kHybridUlysses));
+    if (world == 8) configs.push_back(base(4, 2).sequence_ulysses(kHybridUlysses));
+    return configs;
+  }
   // The tiny GPT's 4 heads: Ulysses needs them to divide over the sequence ranks.
   if (world >= 2 && world <= 4 && (m.mode != SequenceMode::kUlysses || 4 % world == 0)) configs.push_back(base(world, 1));
   if (world == 4) configs.push_back(base(2, 2));
@@ -228,6 +263,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, SequenceGPT, ::testing::ValuesIn(kCases), case_n
 //            values again and their gradients backward (2(P-1) + 2P): (6P-4)·E
 //   ulysses  all_to_all of 3E (q, k, v) and E (output), and the same
 //            backward: 8E, of which (P-1)/P leaves the rank
+//   hybrid   ulysses' 8E over the U-rank group and ring's (3R-2)·2E over
+//            the R = P/U ring: its block of U·n tokens on h/U heads is E
 TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
   comm::WorldOptions options;
   options.trace = std::make_shared<comm::CommTrace>();
@@ -236,17 +273,34 @@ TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
   if (p == 1 || p > 4) GTEST_SKIP() << "runs at 2 to 4 ranks";
   const int64_t b = 2, h = 12, s = 24, d = 4, e = b * h * (s / p) * d;
   for (const ModeCase& m : kCases) {
+    if (!attention_runs_at(m, p)) continue;  // hybrid at 4 ranks; counted below
     SCOPED_TRACE(context::sequence_mode_name(m.mode) + " " + context::sequence_split_name(m.split));
-    nn::SequenceLayout layout(p, group->rank(), m.split);
-    const at::Tensor pos = layout.positions(s).to(test::device());
+    const at::Tensor pos = layout_of(m, group).positions(s).to(test::device());
     auto local = [&](uint64_t seed) {
       return test::device_randn({b, h, s, d}, seed).index_select(2, pos).requires_grad_();
     };
     at::Tensor q = local(1), k = local(2), v = local(3);
-    auto attention = make_attention(m, d, group);
-    attention.ptr()->to(test::device());
+    MadeAttention made = make_attention(m, d, group);
+    made.module.ptr()->to(test::device());
     options.trace->reset();
-    attention.forward(q, k, v, pos).backward(test::device_randn({b, h, s, d}, 4).index_select(2, pos));
+    made.module.forward(q, k, v, pos).backward(test::device_randn({b, h, s, d}, 4).index_select(2, pos));
+    if (m.mode == SequenceMode::kHybrid) {
+      const int u = kHybridUlysses, r = p / u;
+      const std::string ulysses = made.ctx->comm(context::ParallelMode::kSequenceUlysses)->name();
+      const std::string ring = made.ctx->comm(context::ParallelMode::kSequenceRing)->name();
+      const auto a2a = options.trace->get(ulysses, comm::OpType::kAllToAll);
+      const auto send = options.trace->get(ring, comm::OpType::kSend);
+      EXPECT_EQ(a2a.calls, 4);
+      EXPECT_EQ(a2a.bytes, 8 * e * 4);
+      EXPECT_DOUBLE_EQ(a2a.bus_bytes, 8.0 * e * 4 * (u - 1) / u);
+      EXPECT_EQ(send.calls, 3 * r - 2);
+      EXPECT_EQ(send.bytes, (3 * r - 2) * 2 * e * 4);
+      EXPECT_EQ(options.trace->get(ring, comm::OpType::kRecv).calls, send.calls);
+      EXPECT_EQ(options.trace->total(ulysses).calls + options.trace->total(ring).calls, a2a.calls + 2 * send.calls)
+          << options.trace->to_string();
+      EXPECT_EQ(options.trace->total(group->name()).calls, 0) << "hybrid talks on its sub-groups only";
+      continue;
+    }
     const std::string name = group->name();
     const auto send = options.trace->get(name, comm::OpType::kSend);
     const auto recv = options.trace->get(name, comm::OpType::kRecv);
@@ -267,6 +321,8 @@ TEST(SequenceAttentionTrace, BytesEqualTheFormula) {
         EXPECT_EQ(a2a.calls, 4);
         EXPECT_EQ(a2a.bytes, 8 * e * 4);
         EXPECT_DOUBLE_EQ(a2a.bus_bytes, 8.0 * e * 4 * (p - 1) / p);
+        break;
+      case SequenceMode::kHybrid:
         break;
     }
     EXPECT_EQ(recv.calls, send.calls);

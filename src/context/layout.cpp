@@ -93,6 +93,9 @@ void check_shape(const Layout& layout, const ModelShape& shape) {
   if (shape.heads() > 0 && c.sequence() > 1 && c.sequence_mode() == SequenceMode::kUlysses)
     check_divides(shape.heads() / q, c.sequence(), "the heads per tensor rank",
                   "Ulysses attention splits over the sequence size");
+  if (shape.heads() > 0 && c.sequence() > 1 && c.sequence_mode() == SequenceMode::kHybrid)
+    check_divides(shape.heads() / q, c.sequence_ulysses(), "the heads per tensor rank",
+                  "hybrid sequence parallelism's Ulysses groups split over (sequence ulysses size)");
   TORCH_CHECK(shape.experts() > 0 || !layout.expert_tensor_parallel(),
               "expert tensor parallelism splits the experts, and this model has no mixture-of-experts blocks; drop "
               "it or give the model experts");

@@ -86,6 +86,8 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
     config.sequence_mode(parse_sequence_mode(value));
   } else if (flag == "--sp-split") {
     config.sequence_split(parse_sequence_split(value));
+  } else if (flag == "--sp-ulysses") {
+    config.sequence_ulysses(flag_int(flag, value));
   } else if (flag == "--ep") {
     config.expert(flag_int(flag, value));
   } else if (flag == "--order") {
@@ -100,9 +102,9 @@ void apply_flag(ParallelConfig& config, const std::string& flag, const std::stri
 }
 
 bool known_flag(const std::string& flag) {
-  static constexpr std::array<const char*, 11> kFlags = {"--dp",       "--pp", "--tp",    "--tp-mode",
-                                                         "--tp-depth", "--sp", "--sp-mode", "--sp-split",
-                                                         "--ep",       "--order", "--seed"};
+  static constexpr std::array<const char*, 12> kFlags = {"--dp",         "--pp", "--tp",      "--tp-mode",
+                                                         "--tp-depth",   "--sp", "--sp-mode", "--sp-split",
+                                                         "--sp-ulysses", "--ep", "--order",   "--seed"};
   return std::any_of(kFlags.begin(), kFlags.end(), [&](const char* known) { return flag == known; });
 }
 
@@ -162,15 +164,17 @@ std::string sequence_mode_name(SequenceMode mode) {
       return "ring";
     case SequenceMode::kRsa:
       return "rsa";
+    case SequenceMode::kHybrid:
+      return "hybrid";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown SequenceMode ", static_cast<int>(mode));
 }
 
 SequenceMode parse_sequence_mode(const std::string& name) {
-  for (SequenceMode mode : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa}) {
+  for (SequenceMode mode : {SequenceMode::kUlysses, SequenceMode::kRing, SequenceMode::kRsa, SequenceMode::kHybrid}) {
     if (lower(name) == sequence_mode_name(mode)) return mode;
   }
-  TORCH_CHECK(false, "unknown sequence mode '", name, "'; accepted sequence modes are ulysses, ring, rsa");
+  TORCH_CHECK(false, "unknown sequence mode '", name, "'; accepted sequence modes are ulysses, ring, rsa, hybrid");
 }
 
 std::string sequence_split_name(SequenceSplit split) {
@@ -242,7 +246,8 @@ int ParallelConfig::size(Dim dim) const {
 bool operator==(const ParallelConfig& a, const ParallelConfig& b) {
   return a.data() == b.data() && a.pipeline() == b.pipeline() && a.tensor() == b.tensor() &&
          a.tensor_mode() == b.tensor_mode() && a.tensor_depth() == b.tensor_depth() && a.sequence() == b.sequence() &&
-         a.sequence_mode() == b.sequence_mode() && a.sequence_split() == b.sequence_split() && a.expert() == b.expert() && a.order() == b.order() &&
+         a.sequence_mode() == b.sequence_mode() && a.sequence_split() == b.sequence_split() &&
+         a.sequence_ulysses() == b.sequence_ulysses() && a.expert() == b.expert() && a.order() == b.order() &&
          a.seed() == b.seed();
 }
 
@@ -262,6 +267,28 @@ int grid_side(const ParallelConfig& config) {
   }
   TORCH_INTERNAL_ASSERT(false, "unknown tensor mode");
 }
+
+namespace {
+// Note [Hybrid sequence groups]
+// Hybrid splits the sequence group (size sp) into U·R, U = sequence_ulysses:
+// sequence rank s = r·U + u, so the Ulysses group (fixed r, vary u) is U
+// adjacent ranks, which the grid's order keeps inside a host, and the ring
+// group (fixed u, vary r) crosses hosts once per ring hop. U = 1 would be
+// ring and U = sp Ulysses: both are refused as hybrid so that a layout has
+// one name.
+void check_sequence_ulysses(const ParallelConfig& c) {
+  const int u = c.sequence_ulysses(), sp = c.sequence();
+  if (c.sequence_mode() != SequenceMode::kHybrid || sp == 1) {
+    TORCH_CHECK(u == 1, "sequence ulysses size ", u, " is set but sequence mode ",
+                sequence_mode_name(c.sequence_mode()), " at sequence size ", sp,
+                " has no Ulysses sub-group; only sequence mode hybrid with sequence size > 1 uses it");
+    return;
+  }
+  TORCH_CHECK(u > 1 && u < sp && sp % u == 0, "sequence ulysses size ", u, " does not fit sequence size ", sp,
+              ": sequence mode hybrid needs 1 < ulysses < sequence with ulysses dividing it (Ulysses over ulysses "
+              "ranks, ring across sequence/ulysses); use mode ring for ulysses 1, mode ulysses for ulysses = sequence");
+}
+}  // namespace
 
 ParallelConfig resolve(const ParallelConfig& config, int world_size) {
   TORCH_CHECK(world_size >= 1, "world size ", world_size, " is invalid: it must be at least 1");
@@ -320,6 +347,7 @@ ParallelConfig resolve(const ParallelConfig& config, int world_size) {
                 config.sequence(), " = ", product);
   }
 
+  check_sequence_ulysses(config);
   TORCH_CHECK(resolved.data() % config.expert() == 0, "expert size ", config.expert(), " does not divide data size ",
               resolved.data(), "; expert groups are carved out of the data dimension");
   return resolved;
@@ -362,10 +390,12 @@ void add_grid_options(cli::Command& c, ParallelConfig& g) {
         tensor_mode_name);
   c.add("tp-depth", &g.tensor_depth(), "depth of the 2.5d arrangement");
   c.add("sp", &g.sequence(), "sequence-parallel size (tensor mode 1d)");
-  c.add("sp-mode", &g.sequence_mode(), "sequence-parallel attention", "ulysses|ring|rsa", parse_sequence_mode,
+  c.add("sp-mode", &g.sequence_mode(), "sequence-parallel attention", "ulysses|ring|rsa|hybrid", parse_sequence_mode,
         sequence_mode_name);
   c.add("sp-split", &g.sequence_split(), "tokens per sequence rank: contiguous chunks, or zigzag pairs",
         "contiguous|zigzag", parse_sequence_split, sequence_split_name);
+  c.add("sp-ulysses", &g.sequence_ulysses(),
+        "sp-mode hybrid: Ulysses over this many adjacent sequence ranks, ring across the groups");
   c.add("ep", &g.expert(), "expert-parallel size, carved out of the data size");
   c.add("order", &g.order(), "grid dimensions, innermost first");
 }
@@ -407,7 +437,7 @@ ParallelConfig config_from_json(const std::string& json_text) {
   if (root.contains("sequence")) {
     const Json& sequence = root["sequence"];
     if (sequence.is_object()) {
-      check_keys(sequence, "sequence.", {"size", "mode", "split"});
+      check_keys(sequence, "sequence.", {"size", "mode", "split", "ulysses"});
       if (sequence.contains("size")) config.sequence(json_int(sequence["size"], "sequence.size"));
       if (sequence.contains("mode")) {
         config.sequence_mode(parse_sequence_mode(json_string(sequence["mode"], "sequence.mode")));
@@ -415,6 +445,7 @@ ParallelConfig config_from_json(const std::string& json_text) {
       if (sequence.contains("split")) {
         config.sequence_split(parse_sequence_split(json_string(sequence["split"], "sequence.split")));
       }
+      if (sequence.contains("ulysses")) config.sequence_ulysses(json_int(sequence["ulysses"], "sequence.ulysses"));
     } else {
       config.sequence(json_int(sequence, "sequence"));
     }
@@ -449,6 +480,7 @@ std::string to_string(const ParallelConfig& config) {
   out << " pp=" << config.pipeline() << " tp=" << config.tensor() << '(' << tensor_mode_name(config.tensor_mode());
   if (config.tensor_mode() == TensorMode::k2p5D) out << ",depth=" << config.tensor_depth();
   out << ") sp=" << config.sequence() << '(' << sequence_mode_name(config.sequence_mode());
+  if (config.sequence_mode() == SequenceMode::kHybrid) out << ",ulysses=" << config.sequence_ulysses();
   if (config.sequence_split() != SequenceSplit::kContiguous) out << ',' << sequence_split_name(config.sequence_split());
   out << ") ep=" << config.expert()
       << " order=" << config.order() << " seed=" << config.seed();

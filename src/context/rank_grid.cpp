@@ -39,6 +39,10 @@ bool tensor_mode_of(ParallelMode mode, TensorMode* out) {
   }
 }
 
+bool hybrid_sub_mode(ParallelMode mode) {
+  return mode == ParallelMode::kSequenceUlysses || mode == ParallelMode::kSequenceRing;
+}
+
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -103,6 +107,10 @@ std::string mode_name(ParallelMode mode) {
       return "expert";
     case ParallelMode::kExpertData:
       return "expert_data";
+    case ParallelMode::kSequenceUlysses:
+      return "sequence_ulysses";
+    case ParallelMode::kSequenceRing:
+      return "sequence_ring";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ParallelMode ", static_cast<int>(mode));
 }
@@ -111,7 +119,7 @@ const std::vector<ParallelMode>& all_modes() {
   // Immutable after initialisation: not global mutable state.
   static const std::vector<ParallelMode> kModes = [] {
     std::vector<ParallelMode> modes;
-    for (int m = 0; m <= static_cast<int>(ParallelMode::kExpertData); ++m) {
+    for (int m = 0; m <= static_cast<int>(ParallelMode::kSequenceRing); ++m) {
       modes.push_back(static_cast<ParallelMode>(m));
     }
     return modes;
@@ -145,7 +153,9 @@ RankGrid::RankGrid(const ParallelConfig& config, int world_size)
       break;
   }
   TORCH_INTERNAL_ASSERT(axis_size_[kT0] * axis_size_[kT1] * axis_size_[kT2] == tp);
-  axis_size_[kSeq] = config_.sequence();
+  const int ulysses = config_.sequence_mode() == SequenceMode::kHybrid ? config_.sequence_ulysses() : 1;
+  axis_size_[kS0] = ulysses;
+  axis_size_[kS1] = config_.sequence() / ulysses;
   axis_size_[kE0] = config_.expert();
   axis_size_[kE1] = config_.data() / config_.expert();
   axis_size_[kPipe] = config_.pipeline();
@@ -197,7 +207,9 @@ RankGrid::Coords RankGrid::split(int global_rank) const {
   c[kT0] = t % axis_size_[kT0];
   c[kT1] = (t / axis_size_[kT0]) % axis_size_[kT1];
   c[kT2] = t / (axis_size_[kT0] * axis_size_[kT1]);
-  c[kSeq] = coordinate(Dim::kSequence, global_rank);
+  const int s = coordinate(Dim::kSequence, global_rank);
+  c[kS0] = s % axis_size_[kS0];
+  c[kS1] = s / axis_size_[kS0];
   c[kE0] = d % axis_size_[kE0];
   c[kE1] = d / axis_size_[kE0];
   c[kPipe] = coordinate(Dim::kPipeline, global_rank);
@@ -207,7 +219,8 @@ RankGrid::Coords RankGrid::split(int global_rank) const {
 int RankGrid::join(const Coords& c) const {
   const int t = c[kT0] + axis_size_[kT0] * (c[kT1] + axis_size_[kT1] * c[kT2]);
   const int d = c[kE0] + axis_size_[kE0] * c[kE1];
-  return t * stride(Dim::kTensor) + c[kSeq] * stride(Dim::kSequence) + d * stride(Dim::kData) +
+  const int s = c[kS0] + axis_size_[kS0] * c[kS1];
+  return t * stride(Dim::kTensor) + s * stride(Dim::kSequence) + d * stride(Dim::kData) +
          c[kPipe] * stride(Dim::kPipeline);
 }
 
@@ -222,7 +235,7 @@ std::vector<RankGrid::Axis> RankGrid::varying_axes(ParallelMode mode) const {
             axes.insert(axes.end(), {kT0, kT1, kT2});
             break;
           case Dim::kSequence:
-            axes.push_back(kSeq);
+            axes.insert(axes.end(), {kS0, kS1});
             break;
           case Dim::kData:
             axes.insert(axes.end(), {kE0, kE1});
@@ -242,9 +255,9 @@ std::vector<RankGrid::Axis> RankGrid::varying_axes(ParallelMode mode) const {
     case ParallelMode::k1D:
       return {kT0, kT1, kT2};
     case ParallelMode::kSequence:
-      return {kSeq};
+      return {kS0, kS1};
     case ParallelMode::kDataSequence:
-      return {kSeq, kE0, kE1};
+      return {kS0, kS1, kE0, kE1};
     case ParallelMode::kModel:
       return {kT0, kT1, kT2, kPipe};
     // 2d and 2.5d: T0 = column j, T1 = row i, T2 = depth k.
@@ -273,11 +286,16 @@ std::vector<RankGrid::Axis> RankGrid::varying_axes(ParallelMode mode) const {
       return {kE0};
     case ParallelMode::kExpertData:
       return {kE1};
+    case ParallelMode::kSequenceUlysses:
+      return {kS0};
+    case ParallelMode::kSequenceRing:
+      return {kS1};
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ParallelMode ", static_cast<int>(mode));
 }
 
 bool RankGrid::has_mode(ParallelMode mode) const {
+  if (hybrid_sub_mode(mode)) return config_.sequence_mode() == SequenceMode::kHybrid && config_.sequence() > 1;
   TensorMode needed = TensorMode::k1D;
   return !tensor_mode_of(mode, &needed) || needed == config_.tensor_mode();
 }
@@ -292,6 +310,10 @@ std::vector<ParallelMode> RankGrid::modes() const {
 
 void RankGrid::check_mode(ParallelMode mode) const {
   if (has_mode(mode)) return;
+  TORCH_CHECK(!hybrid_sub_mode(mode), "parallel mode ", mode_name(mode),
+              " is not available: it exists only in "
+              "sequence mode hybrid with sequence size > 1, and this grid has sequence size ",
+              config_.sequence(), " in mode ", sequence_mode_name(config_.sequence_mode()));
   TensorMode needed = TensorMode::k1D;
   tensor_mode_of(mode, &needed);
   TORCH_CHECK(false, "parallel mode ", mode_name(mode), " is not available: the tensor mode is ",

@@ -88,8 +88,13 @@ std::shared_ptr<LayerFactory> make_layer_factory(const context::ParallelContextP
                                  splitmix64(ctx->seed(context::ParallelMode::kTensor) ^
                                             ctx->seed(context::ParallelMode::kSequence)),
                                  std::move(experts));
-    return make_sequence_factory(std::move(inner), ctx->comm(context::ParallelMode::kSequence), c.sequence_mode(),
-                                 c.sequence_split());
+    SequenceGroups groups;
+    groups.sequence = ctx->comm(context::ParallelMode::kSequence);
+    if (c.sequence_mode() == context::SequenceMode::kHybrid) {
+      groups.ulysses = ctx->comm(context::ParallelMode::kSequenceUlysses);
+      groups.ring = ctx->comm(context::ParallelMode::kSequenceRing);
+    }
+    return make_sequence_factory(std::move(inner), std::move(groups), c.sequence_mode(), c.sequence_split());
   }
   if (row_keyed_dropout) {
     // Equal across data ranks (rows key the masks instead); block seeds

@@ -54,10 +54,14 @@ TORCH_MODULE(SequenceEmbedding);
 
 class SequenceFactory : public LayerFactory {
  public:
-  SequenceFactory(std::shared_ptr<LayerFactory> inner, comm::CommunicatorPtr group, context::SequenceMode mode,
+  SequenceFactory(std::shared_ptr<LayerFactory> inner, SequenceGroups groups, context::SequenceMode mode,
                   context::SequenceSplit split)
-      : inner_(std::move(inner)), group_(std::move(group)), mode_(mode),
-        layout_(group_->size(), group_->rank(), split) {}
+      : inner_(std::move(inner)),
+        group_(groups.sequence),
+        ulysses_(groups.ulysses),
+        ring_(groups.ring),
+        mode_(mode),
+        layout_(group_->size(), group_->rank(), split, ulysses_ ? ulysses_->size() : 1) {}
 
   std::string mode() const override { return inner_->mode() + "+" + context::sequence_mode_name(mode_); }
   const comm::CommunicatorPtr& tensor_group() const override { return inner_->tensor_group(); }
@@ -106,6 +110,9 @@ class SequenceFactory : public LayerFactory {
         (void)heads;
         return torch::nn::AnyModule(
             RingAttention(head_dim, dropout(p, DropoutSite::kSharded).get<ParallelDropout>(), group_, layout_));
+      case context::SequenceMode::kHybrid:
+        return torch::nn::AnyModule(HybridAttention(head_dim, dropout(p, DropoutSite::kSharded).get<ParallelDropout>(),
+                                                    ulysses_, ring_, layout_));
     }
     TORCH_INTERNAL_ASSERT(false, "unknown sequence mode");
   }
@@ -149,20 +156,27 @@ class SequenceFactory : public LayerFactory {
  private:
   std::shared_ptr<LayerFactory> inner_;
   comm::CommunicatorPtr group_;
+  comm::CommunicatorPtr ulysses_, ring_;  // hybrid only
   context::SequenceMode mode_;
   SequenceLayout layout_;
 };
 
 }  // namespace
 
-std::shared_ptr<LayerFactory> make_sequence_factory(std::shared_ptr<LayerFactory> inner,
-                                                    comm::CommunicatorPtr sequence_group,
+std::shared_ptr<LayerFactory> make_sequence_factory(std::shared_ptr<LayerFactory> inner, SequenceGroups groups,
                                                     context::SequenceMode mode, context::SequenceSplit split) {
   TORCH_CHECK(inner != nullptr && inner->mode() == "1d",
               "sequence parallelism runs on the 1D tensor-parallel layers (tensor mode 1d without its "
               "sequence-parallel variant); got an inner factory of mode '", inner ? inner->mode() : "null", "'");
-  TORCH_CHECK(sequence_group != nullptr, "make_sequence_factory: the sequence group is null");
-  return std::make_shared<SequenceFactory>(std::move(inner), std::move(sequence_group), mode, split);
+  TORCH_CHECK(groups.sequence != nullptr, "make_sequence_factory: the sequence group is null");
+  const bool hybrid = mode == context::SequenceMode::kHybrid;
+  TORCH_CHECK(hybrid == (groups.ulysses != nullptr && groups.ring != nullptr),
+              "make_sequence_factory: the Ulysses and ring groups are given exactly in sequence mode hybrid; mode is ",
+              context::sequence_mode_name(mode));
+  TORCH_CHECK(!hybrid || groups.ulysses->size() * groups.ring->size() == groups.sequence->size(),
+              "make_sequence_factory: a Ulysses group of ", groups.ulysses->size(), " and a ring of ",
+              groups.ring->size(), " do not make the sequence group of ", groups.sequence->size());
+  return std::make_shared<SequenceFactory>(std::move(inner), std::move(groups), mode, split);
 }
 
 }  // namespace nn

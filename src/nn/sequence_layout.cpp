@@ -5,10 +5,27 @@
 namespace tessera {
 namespace nn {
 
-SequenceLayout::SequenceLayout(int size, int rank, context::SequenceSplit split)
-    : size_(size), rank_(rank), split_(split) {
+// Note [Hybrid sequence layout]
+// With U Ulysses ranks per ring rank, sequence rank s = r·U + u holds piece u
+// of ring rank r's tokens (the contiguous or zigzag split over R = P/U). The
+// all-to-all over the Ulysses group gathers the U pieces in rank order, which
+// is ring rank r's token order, so the ring attention that follows sees
+// exactly the layout it expects. Contiguous hybrid equals contiguous over P;
+// zigzag hybrid gives each rank an equal share of tokens, and the attention
+// work (done after the gather, per ring rank) stays balanced as in zigzag.
+// The sequence must divide into the same P (contiguous) or 2P (zigzag)
+// chunks as without Ulysses.
+
+SequenceLayout::SequenceLayout(int size, int rank, context::SequenceSplit split, int ulysses)
+    : size_(size), rank_(rank), split_(split), ulysses_(ulysses) {
   TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_, "SequenceLayout: rank ", rank_, " of ", size_,
               " is not a rank of the group");
+  TORCH_CHECK(ulysses_ >= 1 && size_ % ulysses_ == 0, "SequenceLayout: Ulysses size ", ulysses_,
+              " does not divide the sequence size ", size_);
+}
+
+SequenceLayout SequenceLayout::ring_layout() const {
+  return SequenceLayout(size_ / ulysses_, rank_ / ulysses_, split_);
 }
 
 void SequenceLayout::check(int64_t seq_len) const {
@@ -23,6 +40,11 @@ void SequenceLayout::check(int64_t seq_len) const {
 at::Tensor SequenceLayout::positions(int64_t seq_len, int rank) const {
   check(seq_len);
   TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size_);
+  if (ulysses_ > 1) {
+    const at::Tensor ring = ring_layout().positions(seq_len, rank / ulysses_);
+    const int64_t piece = ring.size(0) / ulysses_;
+    return ring.narrow(0, (rank % ulysses_) * piece, piece);
+  }
   if (split_ == context::SequenceSplit::kContiguous) {
     const int64_t n = seq_len / size_;
     return at::arange(rank * n, (rank + 1) * n, at::kLong);
@@ -40,12 +62,14 @@ at::Tensor SequenceLayout::gathered_positions(int64_t seq_len) const {
 
 int64_t SequenceLayout::first_position(int64_t seq_len, int rank) const {
   check(seq_len);
+  TORCH_INTERNAL_ASSERT(ulysses_ == 1, "first_position of a hybrid layout; ask its ring_layout()");
   const int64_t chunks = split_ == context::SequenceSplit::kZigzag ? 2 * int64_t{size_} : int64_t{size_};
   return rank * (seq_len / chunks);
 }
 
 int64_t SequenceLayout::last_position(int64_t seq_len, int rank) const {
   check(seq_len);
+  TORCH_INTERNAL_ASSERT(ulysses_ == 1, "last_position of a hybrid layout; ask its ring_layout()");
   if (split_ == context::SequenceSplit::kContiguous) return (rank + 1) * (seq_len / size_) - 1;
   const int64_t c = seq_len / (2 * size_);
   return (2 * int64_t{size_} - rank) * c - 1;

@@ -31,8 +31,10 @@ double stage_forward_flops(const ModelDesc& model, const Plan& plan, const Stage
   const double a = static_cast<double>(model.attention_width());
   const double attention = 2 * h * a + 2 * h * static_cast<double>(model.kv_width());  // q, k, v, output
   // A MoE layer (router, routed and shared experts) runs whole on every
-  // tensor rank, so its FLOPs are not split over the tensor group.
-  const double moe = model.top_k() * mlp + h * model.experts() +
+  // tensor rank, so its FLOPs are not split over the tensor group; with
+  // expert tensor parallelism the routed experts' are.
+  const double routed = model.top_k() * mlp / (plan.expert_tensor_parallel ? c.tensor() : 1);
+  const double moe = routed + h * model.experts() +
                      model.mlp_matrices() * h * static_cast<double>(model.shared_expert_ffn()) +
                      (model.shared_expert_gate() ? h : 0.0);
   double flops = 0;
@@ -50,6 +52,9 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   const auto& c = plan.grid;
   context::resolve(c, plan.world());
   plan.spec.resolve(c.data() * c.sequence());
+  // Expert states shard over the expert-data group (the data ranks holding
+  // the same experts), which the spec must divide too.
+  if (model.experts() > 0) plan.spec.resolve(c.data() / c.expert());
   TORCH_CHECK(plan.global_batch > 0 && plan.micro_batches > 0, "plan: batch and micro-batches must be positive");
   TORCH_CHECK(plan.global_batch % c.data() == 0, "plan: global batch ", plan.global_batch,
               " does not split over data size ", c.data());
@@ -64,14 +69,15 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   TORCH_CHECK(c.pipeline() * plan.chunks <= model.layers() + 2, "plan: ", c.pipeline() * plan.chunks,
               " pipeline stages for ", model.layers() + 2, " layers (embed, blocks, head)");
   // What the layers need of the shapes in this layout: the context's rules.
-  context::check_shape(context::Layout(c), context::ModelShape()
-                                               .hidden(model.hidden())
-                                               .heads(model.heads())
-                                               .kv_heads(model.kv_heads())
-                                               .ffn(model.ffn_width())
-                                               .seq(model.seq())
-                                               .experts(model.experts())
-                                               .rows(plan.micro_batch_rows()));
+  context::check_shape(context::Layout(c).expert_tensor_parallel(plan.expert_tensor_parallel),
+                       context::ModelShape()
+                           .hidden(model.hidden())
+                           .heads(model.heads())
+                           .kv_heads(model.kv_heads())
+                           .ffn(model.ffn_width())
+                           .seq(model.seq())
+                           .experts(model.experts())
+                           .rows(plan.micro_batch_rows()));
 }
 
 Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& cluster, double memory_limit) {

@@ -30,9 +30,13 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   const double h = static_cast<double>(model.hidden()), f = static_cast<double>(model.ffn_width());
   const double e = plan.bf16 ? 2.0 : 4.0;
   const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
-  const double keys = c.sequence() > 1 && c.sequence_mode() != context::SequenceMode::kUlysses
-                          ? static_cast<double>(model.seq()) / c.sequence()
-                          : static_cast<double>(model.seq());
+  // Keys per query held at once: the whole sequence under Ulysses, a ring
+  // rank's block under ring and rsa, and hybrid's ring rank's U·S/sp.
+  double keys = static_cast<double>(model.seq());
+  if (c.sequence() > 1 && c.sequence_mode() == context::SequenceMode::kHybrid)
+    keys = keys * c.sequence_ulysses() / c.sequence();
+  else if (c.sequence() > 1 && c.sequence_mode() != context::SequenceMode::kUlysses)
+    keys = keys / c.sequence();
   const double mlp = (model.mlp_matrices() == 3 ? 3.0 : 2.0) * f;
   // Attention keeps q, k, v and its output (GPT-2: 4h); grouped-query
   // attention keeps the kv heads before and after their repetition.

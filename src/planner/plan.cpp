@@ -19,8 +19,13 @@ int64_t Plan::micro_batch_rows() const { return replica_batch() / micro_batches;
 std::string Plan::to_string() const {
   std::string s = fmt::format("dp{} pp{} tp{}({}) sp{}", grid.data(), grid.pipeline(), grid.tensor(),
                               context::tensor_mode_name(grid.tensor_mode()), grid.sequence());
-  if (grid.sequence() > 1) s += "(" + context::sequence_mode_name(grid.sequence_mode()) + ")";
+  if (grid.sequence() > 1) {
+    s += "(" + context::sequence_mode_name(grid.sequence_mode());
+    if (grid.sequence_mode() == context::SequenceMode::kHybrid) s += fmt::format(" u{}", grid.sequence_ulysses());
+    s += ")";
+  }
   if (grid.expert() > 1) s += fmt::format(" ep{}", grid.expert());
+  if (expert_tensor_parallel && grid.tensor() > 1) s += " etp";
   s += " " + spec.to_string() + fmt::format(" mb{}", micro_batches);
   if (grid.pipeline() > 1) {
     s += " " + parallel::to_string(schedule);
@@ -40,7 +45,9 @@ std::string Plan::to_json() const {
                    {"tp_depth", grid.tensor_depth()},
                    {"sp", grid.sequence()},
                    {"sp_mode", context::sequence_mode_name(grid.sequence_mode())},
+                   {"sp_ulysses", grid.sequence_ulysses()},
                    {"ep", grid.expert()},
+                   {"expert_tensor_parallel", expert_tensor_parallel},
                    {"spec", spec.to_string()},
                    {"global_batch", global_batch},
                    {"micro_batches", micro_batches},

@@ -93,7 +93,15 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
           for (int ep : divisors(dp)) {
             if (ep > 1 && (model.experts() == 0 || model.experts() % ep != 0)) continue;
             if (options.expert() > 0 && ep != options.expert() && model.experts() > 0) continue;
-            grids.push_back(context::ParallelConfig(t).sequence(sp).sequence_mode(smode).pipeline(pp).data(dp).expert(ep));
+            const auto grid =
+                context::ParallelConfig(t).sequence(sp).sequence_mode(smode).pipeline(pp).data(dp).expert(ep);
+            if (smode != context::SequenceMode::kHybrid || sp == 1) {
+              grids.push_back(grid);
+              continue;
+            }
+            // Hybrid: every Ulysses size that leaves a ring of at least 2.
+            for (int u : divisors(sp))
+              if (u > 1 && u < sp) grids.push_back(context::ParallelConfig(grid).sequence_ulysses(u));
           }
         }
       }
@@ -120,8 +128,11 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
         for (auto kind : (g.pipeline() > 1 ? schedules : std::vector<parallel::ScheduleKind>{parallel::ScheduleKind::k1F1B}))
           for (bool ckpt : {false, true}) {
             if (ckpt && !options.checkpointing()) continue;
-            for (bool offload : {false, true}) {
+            for (int variant = 0; variant < 4; ++variant) {
+              const bool offload = variant & 1, etp = variant & 2;
               if (offload && !options.offload()) continue;
+              // Expert tensor parallelism: tried where the tensor group is 1D and there are experts.
+              if (etp && !(g.tensor() > 1 && g.tensor_mode() == TensorMode::k1D && model.experts() > 0)) continue;
               Plan plan;
               plan.grid = g;
               plan.spec = spec;
@@ -132,6 +143,7 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
               plan.checkpoint_activations = ckpt;
               plan.offload = offload ? parallel::Offload::kHost : parallel::Offload::kNone;
               plan.bf16 = options.bf16();
+              plan.expert_tensor_parallel = etp;
               plan = on_nodes(plan, cluster.gpus_per_node);
               ++result.considered;
               try {

@@ -122,7 +122,10 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
       replicated += 2 * norm + attn_row_b;
       if (model.moe_block(b)) {
         lp.dense += model.router_params();
-        lp.expert += static_cast<double>(model.experts() / c.expert()) * (mlp_w + mlp_col_b + mlp_row_b);
+        // Expert tensor parallelism splits the matrices and column biases
+        // over the tensor group; c_proj's bias stays whole.
+        const double etp = plan.expert_tensor_parallel ? tp : 1;
+        lp.expert += static_cast<double>(model.experts() / c.expert()) * ((mlp_w + mlp_col_b) / etp + mlp_row_b);
       } else {
         weights += mlp_w / mat_div;
         col_b += mlp_col_b;

@@ -106,17 +106,29 @@ std::vector<StageShape> stages_of(const ModelDesc& model, const Plan& plan, int 
   return out;
 }
 
+namespace {
+int64_t moe_blocks_of(const TrafficInput& in) {
+  int64_t moe = 0;
+  for (int64_t b = in.stage.first_block; b < in.stage.first_block + in.stage.blocks; ++b)
+    moe += in.model.moe_block(b) ? 1 : 0;
+  return moe;
+}
+}  // namespace
+
 // Megatron's 1D layers (column_parallel_linear.cpp, row_parallel_linear.cpp,
 // vocab_parallel_embedding.cpp, vocab_parallel_cross_entropy.cpp): per block
 // the attention's and the MLP's output all-reduce in forward and their
-// input's in backward; the vocabulary embedding's forward sum, the LM head's
-// input gradient and the cross entropy's three [tokens] sums.
+// input's in backward (a MoE block has no tensor-parallel MLP: its experts'
+// sums, if split, are expert_traffic's); the vocabulary embedding's forward
+// sum, the LM head's input gradient and the cross entropy's three [tokens] sums.
 void tensor_traffic_1d(const TrafficInput& in, Traffic& out) {
   const int tp = in.plan.grid.tensor();
   const double T = tokens(in), h = static_cast<double>(in.model.hidden());
   const std::string g = mname(ParallelMode::kTensor);
   // A group of one skips the layers' sums but not the loss's.
-  const double calls = tp == 1 ? 0 : 4.0 * in.stage.blocks + (in.stage.embed ? 1 : 0) + (in.stage.head ? 1 : 0);
+  const double calls =
+      tp == 1 ? 0
+              : 4.0 * in.stage.blocks - 2.0 * moe_blocks_of(in) + (in.stage.embed ? 1 : 0) + (in.stage.head ? 1 : 0);
   out.add("tensor", ParallelMode::kTensor, g, tp, OpType::kAllReduce, calls, T * h, in.act_bytes);
   if (in.stage.head) out.add("tensor", ParallelMode::kTensor, g, tp, OpType::kAllReduce, 3, T, 4);
 }
@@ -236,6 +248,21 @@ void sequence_traffic_ring(const TrafficInput& in, Traffic& out) {
   sequence_common(in, out);
 }
 
+// Hybrid (hybrid_attention.cpp): Ulysses' all-to-alls over the U adjacent
+// ranks, then ring attention over the R = sp/U ring on heads/U heads of
+// U·n tokens. That block is the same E elements, so the ring's part is the
+// ring formula with R ranks in place of sp.
+void sequence_traffic_hybrid(const TrafficInput& in, Traffic& out) {
+  const int u = in.plan.grid.sequence_ulysses(), r = in.plan.grid.sequence() / u;
+  const double E = sequence_e(in), per_block = (3.0 * r - 2) * E;
+  out.add("sequence", ParallelMode::kSequenceUlysses, mname(ParallelMode::kSequenceUlysses), u, OpType::kAllToAll,
+          8.0 * in.stage.blocks, E, in.act_bytes);
+  for (OpType op : {OpType::kSend, OpType::kRecv})
+    out.add("sequence", ParallelMode::kSequenceRing, mname(ParallelMode::kSequenceRing), r, op, in.stage.blocks,
+            2 * per_block, in.act_bytes);
+  sequence_common(in, out);
+}
+
 // Ring self-attention (ring_self_attention.cpp): keys, then values around
 // the ring in forward; in backward the scores' and values' gradients; each
 // hop is a send and a receive.
@@ -256,18 +283,25 @@ void sequence_traffic_rsa(const TrafficInput& in, Traffic& out) {
 // that split the tokens.
 void expert_traffic(const TrafficInput& in, Traffic& out) {
   const auto& c = in.plan.grid;
-  int64_t moe = 0;
-  for (int64_t b = in.stage.first_block; b < in.stage.first_block + in.stage.blocks; ++b)
-    moe += in.model.moe_block(b) ? 1 : 0;
+  const int64_t moe = moe_blocks_of(in);
   if (moe == 0) return;
   const ParallelMode tokens_mode = detail::rank_grid(c).token_mode();
   const int token_ranks = c.data() * c.sequence();
   if (token_ranks > 1)
     out.add("expert", tokens_mode, mname(tokens_mode), token_ranks, OpType::kAllReduce, static_cast<double>(moe),
             2.0 * in.model.experts() + 3, 8);
+  const double rows = tokens(in) * in.model.top_k();
+  // Expert tensor parallelism (Note [Expert tensor parallelism]): the rows
+  // a rank's experts ran summed over the tensor group forward (their mean:
+  // what a rank sends, dropless), the tokens' gradient backward.
+  if (in.plan.expert_tensor_parallel && c.tensor() > 1) {
+    const std::string t = mname(ParallelMode::kTensor);
+    for (double n : {rows, tokens(in)})
+      out.add("expert", ParallelMode::kTensor, t, c.tensor(), OpType::kAllReduce, static_cast<double>(moe),
+              n * in.model.hidden(), in.act_bytes);
+  }
   const int ep = c.expert();
   if (ep == 1) return;
-  const double rows = tokens(in) * in.model.top_k();
   const std::string g = mname(ParallelMode::kExpert);
   out.add("expert", ParallelMode::kExpert, g, ep, OpType::kAllToAll, 4.0 * moe, rows * in.model.hidden(),
           in.act_bytes);
@@ -297,6 +331,8 @@ TrafficFn sequence_traffic(context::SequenceMode mode) {
       return &sequence_traffic_ring;
     case context::SequenceMode::kRsa:
       return &sequence_traffic_rsa;
+    case context::SequenceMode::kHybrid:
+      return &sequence_traffic_hybrid;
   }
   TORCH_INTERNAL_ASSERT(false, "sequence mode without a traffic function");
 }

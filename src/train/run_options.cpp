@@ -241,10 +241,15 @@ int64_t RunOptions::pipeline_microbatches() const {
 }
 
 const std::vector<std::string>& planned_options() {
-  static const std::vector<std::string> names = {"dp",       "pp",           "tp",           "tp-mode",
-                                                 "tp-depth", "sp",           "sp-mode",      "ep",
-                                                 "spec",     "schedule",     "microbatches", "chunks",
-                                                 "accumulation", "checkpoint-activations", "offload"};
+  static const std::vector<std::string> names = {"dp",           "pp",
+                                                 "tp",           "tp-mode",
+                                                 "tp-depth",     "sp",
+                                                 "sp-mode",      "sp-ulysses",
+                                                 "ep",           "expert-tensor-parallel",
+                                                 "spec",         "schedule",
+                                                 "microbatches", "chunks",
+                                                 "accumulation", "checkpoint-activations",
+                                                 "offload"};
   return names;
 }
 
@@ -368,11 +373,9 @@ void RunOptions::check(int world_size) const {
               ": the planner measures the step on this machine's CPU cores (docs/planner.md) and would predict a "
               "CPU run; drop --plan, or plan on the CPU");
   TORCH_CHECK(!elastic(), "--plan with --batch-schedule: the planner plans one fixed layout; drop one of them");
-  TORCH_CHECK(!sequence_parallel(), "--plan with --sequence-parallel: the planner does not model Megatron's "
+  TORCH_CHECK(!sequence_parallel(),
+              "--plan with --sequence-parallel: the planner does not model Megatron's "
               "sequence-parallel variant yet; drop one of them");
-  TORCH_CHECK(!expert_tensor_parallel(),
-              "--plan with --expert-tensor-parallel: the planner does not model expert "
-              "tensor parallelism yet; drop one of them");
   TORCH_CHECK(resume().empty() || plan() == PlanMode::kFlags,
               "--plan auto with --resume: the plan could differ "
               "from the checkpoint's layout; give the layout flags and --plan flags");

@@ -126,6 +126,7 @@ planner::Plan plan_of(const RunOptions& run, int world) {
               "--plan: the planner does not model disk offload; use --offload host");
   p.offload = run.offload();
   p.bf16 = run.bf16();
+  p.expert_tensor_parallel = run.expert_tensor_parallel();
   return p;
 }
 
@@ -139,6 +140,7 @@ void apply_plan(const planner::Plan& p, RunOptions& run) {
   run.accumulation(p.grid.pipeline() > 1 ? int64_t{1} : p.micro_batches);
   run.model().checkpoint_activations(p.checkpoint_activations);
   run.offload(p.offload);
+  run.expert_tensor_parallel(p.expert_tensor_parallel);
 }
 
 planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, MetricsLog& log) {

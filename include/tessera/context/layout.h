@@ -60,10 +60,10 @@ struct ModelShape {
 // check_supported, then the shapes the layers of the (resolved) layout need:
 // heads and hidden sizes split over q (q² for the 3D hidden size), rows over
 // the batch blocks, the sequence into its chunks, heads per tensor rank over
-// Ulysses' sequence ranks, experts over the expert group, and an expert
-// group, expert tensor parallelism or experts only where the layers carry
-// them. Throws naming the
-// quantity, the rule and the layout.
+// Ulysses' sequence ranks (hybrid: its Ulysses group), experts over the
+// expert group, and an expert group, expert tensor parallelism or experts
+// only where the layers carry them. Throws naming the quantity, the rule and
+// the layout.
 void check_shape(const Layout& layout, const ModelShape& shape);
 
 // Note [Replicated key/value heads]: `kv_heads` over `split` head blocks of

@@ -27,7 +27,9 @@ enum class TensorMode { k1D, k2D, k2p5D, k3D };
 //   ulysses: all-to-all from a sequence split to a head split and back
 //   ring:    ring attention, keys and values passed around with an online softmax
 //   rsa:     ring self-attention (keys, then values, around the ring)
-enum class SequenceMode { kUlysses, kRing, kRsa };
+//   hybrid:  Ulysses over sequence_ulysses adjacent ranks (inside a host),
+//            ring attention across the sequence / sequence_ulysses groups
+enum class SequenceMode { kUlysses, kRing, kRsa, kHybrid };
 // Which tokens of a sequence a sequence rank holds: P contiguous chunks, or
 // 2P chunks with rank r holding r and 2P-1-r (balances causal work).
 enum class SequenceSplit { kContiguous, kZigzag };
@@ -36,7 +38,7 @@ enum class SequenceSplit { kContiguous, kZigzag };
 std::string tensor_mode_name(TensorMode mode);
 // Parses the names above (case-insensitive); throws c10::Error listing them.
 TensorMode parse_tensor_mode(const std::string& name);
-// "ulysses", "ring", "rsa".
+// "ulysses", "ring", "rsa", "hybrid".
 std::string sequence_mode_name(SequenceMode mode);
 SequenceMode parse_sequence_mode(const std::string& name);
 // "contiguous", "zigzag".
@@ -68,6 +70,9 @@ struct ParallelConfig {
   TORCH_ARG(int, sequence) = 1;
   TORCH_ARG(SequenceMode, sequence_mode) = SequenceMode::kUlysses;
   TORCH_ARG(SequenceSplit, sequence_split) = SequenceSplit::kContiguous;
+  // Sequence mode hybrid: the Ulysses group's size U (1 < U < sequence,
+  // dividing it); 1 in every other mode. The ring spans sequence / U ranks.
+  TORCH_ARG(int, sequence_ulysses) = 1;
   // Expert-parallel size; divides data.
   TORCH_ARG(int, expert) = 1;
   // Grid dimensions, innermost (adjacent ranks) first.
@@ -89,15 +94,15 @@ bool operator!=(const ParallelConfig& a, const ParallelConfig& b);
 // Pure: every rank given the same inputs throws the same error.
 ParallelConfig resolve(const ParallelConfig& config, int world_size);
 
-// Reads --dp --pp --tp --tp-mode --tp-depth --sp --sp-mode --ep --order
-// --seed, as "--dp 2" or "--dp=2", over the values of base. Unknown flags and
+// Reads --dp --pp --tp --tp-mode --tp-depth --sp --sp-mode --sp-split
+// --sp-ulysses --ep --order --seed, as "--dp 2" or "--dp=2", over the values of base. Unknown flags and
 // other arguments are ignored (they belong to the user's program); parsing
 // stops at "--". A known flag without a value, or with a value that is not a
 // number where one is needed, throws. argv[0] is the program name.
 ParallelConfig config_from_args(int argc, const char* const* argv, const ParallelConfig& base = ParallelConfig());
 
-// Adds --dp --pp --tp --tp-mode --tp-depth --sp --sp-mode --sp-split --ep
-// --order to a command's option table, bound to `config`'s fields (Note
+// Adds --dp --pp --tp --tp-mode --tp-depth --sp --sp-mode --sp-split
+// --sp-ulysses --ep --order to a command's option table, bound to `config`'s fields (Note
 // [One option table] in tessera/core/cli.h): what every command with a
 // grid reads. --seed is the command's own.
 void add_grid_options(cli::Command& command, ParallelConfig& config);
@@ -109,7 +114,8 @@ bool is_parallel_flag(const std::string& flag);
 
 // Reads a JSON object with the keys
 //   {"data": 2, "pipeline": 1, "tensor": {"size": 4, "mode": "2d", "depth": 1},
-//    "sequence": {"size": 1, "mode": "ulysses"}, "expert": 1,
+//    "sequence": {"size": 4, "mode": "hybrid", "split": "zigzag", "ulysses": 2},
+//    "expert": 1,
 //    "order": "tp-sp-dp-pp", "seed": 42}
 // all optional; "tensor" and "sequence" may also be plain numbers (the size).
 // Unknown keys and values of the wrong type throw, naming the key.
@@ -120,7 +126,8 @@ ParallelConfig config_from_json_file(const std::string& path);
 // q³ in 3d; tp itself in 1d. The largest such q for sizes resolve() refuses.
 int grid_side(const ParallelConfig& config);
 
-// One line: "dp=2 pp=2 tp=2(1d) sp=1(ulysses) ep=1 order=tp-sp-dp-pp seed=42".
+// One line: "dp=2 pp=2 tp=2(1d) sp=1(ulysses) ep=1 order=tp-sp-dp-pp seed=42";
+// hybrid shows its Ulysses size: "sp=4(hybrid,ulysses=2,zigzag)".
 std::string to_string(const ParallelConfig& config);
 
 }  // namespace context

@@ -38,9 +38,12 @@ enum class ParallelMode {
   k3DOutputWeight,
   kExpert,
   kExpertData,
+  kSequenceUlysses,
+  kSequenceRing,
 };
 
-// "global", "data", ..., "2.5d_xz", "3d_input_weight", "expert_data".
+// "global", "data", ..., "2.5d_xz", "3d_input_weight", "expert_data",
+// "sequence_ulysses", "sequence_ring".
 std::string mode_name(ParallelMode mode);
 // Every mode, in declaration order (the order communicators are created in).
 const std::vector<ParallelMode>& all_modes();
@@ -75,6 +78,11 @@ const std::vector<ParallelMode>& all_modes();
 // Expert (ep divides dp), with data-local rank d:
 //   expert: fixed d / ep, vary d % ep (consecutive data ranks)
 //   expert_data: fixed d % ep, vary d / ep
+// Sequence mode hybrid (sp = U·R, U = sequence_ulysses), with sequence-local
+// rank s = r·U + u (Note [Hybrid sequence groups] in parallel_config.cpp):
+//   sequence_ulysses: fixed r, vary u (U adjacent sequence ranks)
+//   sequence_ring:    fixed u, vary r
+// These two exist only in sequence mode hybrid.
 // In 2d and 2.5d, the local rank in 2d_col / 2.5d_col is the row index i and
 // the local rank in 2d_row / 2.5d_row is the column index j.
 class RankGrid {
@@ -148,10 +156,11 @@ class RankGrid {
 
  private:
   // Note [Fine axes]
-  // The grid is kept as seven axes: tensor split into up to three sub-axes
-  // (their meaning depends on the tensor mode), sequence, data split into
-  // (d % ep, d / ep), and pipeline. Every mode is a list of axes to vary.
-  enum Axis { kT0, kT1, kT2, kSeq, kE0, kE1, kPipe, kNumAxes };
+  // The grid is kept as eight axes: tensor split into up to three sub-axes
+  // (their meaning depends on the tensor mode), sequence split into
+  // (s % U, s / U) (U = 1 outside hybrid), data split into (d % ep, d / ep),
+  // and pipeline. Every mode is a list of axes to vary.
+  enum Axis { kT0, kT1, kT2, kS0, kS1, kE0, kE1, kPipe, kNumAxes };
   using Coords = std::array<int, kNumAxes>;
 
   Coords split(int global_rank) const;

@@ -167,14 +167,22 @@ std::shared_ptr<LayerFactory> make_1d_factory(comm::CommunicatorPtr tensor_group
                                               uint64_t seed_block, uint64_t seed_sharded, MoEGroups experts = {},
                                               bool row_keyed_dropout = false);
 
-// Sequence parallelism over `sequence_group` on top of a 1D factory (mode
-// "1d"): block layout [b, S/P, h] holding the positions of
-// SequenceLayout(split), core_attention by `mode` (nn/sequence_attention.h),
-// the loss normalized over the whole sequence, and every parameter's
-// gradient partial over the sequence group (Note [Sequence-parallel data
-// path] in the source). Sequence lengths must divide into the split's chunks.
-std::shared_ptr<LayerFactory> make_sequence_factory(std::shared_ptr<LayerFactory> inner,
-                                                    comm::CommunicatorPtr sequence_group,
+// The groups sequence parallelism runs over: the whole sequence group and,
+// in mode hybrid only, its Ulysses and ring sub-groups
+// (ParallelMode::kSequenceUlysses, kSequenceRing).
+struct SequenceGroups {
+  comm::CommunicatorPtr sequence;
+  comm::CommunicatorPtr ulysses;
+  comm::CommunicatorPtr ring;
+};
+
+// Sequence parallelism over `groups` on top of a 1D factory (mode "1d"):
+// block layout [b, S/P, h] holding the positions of SequenceLayout(split,
+// ulysses size), core_attention by `mode` (nn/sequence_attention.h), the
+// loss normalized over the whole sequence, and every parameter's gradient
+// partial over the sequence group (Note [Sequence-parallel data path] in the
+// source). Sequence lengths must divide into the split's chunks.
+std::shared_ptr<LayerFactory> make_sequence_factory(std::shared_ptr<LayerFactory> inner, SequenceGroups groups,
                                                     context::SequenceMode mode, context::SequenceSplit split);
 
 // The 2D (Optimus) / 2.5D (Tesseract) factory over the context's grid:

@@ -14,6 +14,8 @@
 //   RingSelfAttention     the sequence-parallel paper's form: keys around the
 //                         ring to build each query's whole score row, softmax,
 //                         then values around the ring.
+//   HybridAttention       Ulysses inside groups of U adjacent ranks, ring
+//                         attention across them on heads/U heads (USP).
 #include "tessera/comm/communicator.h"
 #include "tessera/nn/attention.h"
 #include "tessera/nn/parallel_dropout.h"
@@ -73,6 +75,23 @@ class RingSelfAttentionImpl : public torch::nn::Module {
   SequenceLayout layout_;
 };
 TORCH_MODULE(RingSelfAttention);
+
+class HybridAttentionImpl : public torch::nn::Module {
+ public:
+  // `layout` has ulysses() == ulysses_group->size(); the ring group holds the
+  // ranks of ring_layout(). `dropout` acts as in RingAttention on the local
+  // heads.
+  HybridAttentionImpl(int64_t head_dim, ParallelDropout dropout, comm::CommunicatorPtr ulysses_group,
+                      comm::CommunicatorPtr ring_group, SequenceLayout layout);
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
+
+ private:
+  int64_t head_dim_;
+  comm::CommunicatorPtr ulysses_;
+  SequenceLayout layout_;
+  RingAttention ring_{nullptr};
+};
+TORCH_MODULE(HybridAttention);
 
 }  // namespace nn
 }  // namespace tessera

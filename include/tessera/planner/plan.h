@@ -30,6 +30,9 @@ struct Plan {
   // bf16 parameters and gradients with fp32 masters in the optimizer
   // (2Ψ/s_p + 2Ψ/s_g + 12Ψ/s_os); false: fp32 everywhere (4 + 4 + 8).
   bool bf16 = false;
+  // Every expert's matrices split over the 1D tensor group (Note [Expert
+  // tensor parallelism] in nn/moe.cpp); a no-op at tensor size 1.
+  bool expert_tensor_parallel = false;
 
   int world() const;
   int64_t replica_batch() const;      // sequences per data replica and step

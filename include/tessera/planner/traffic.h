@@ -89,6 +89,7 @@ void tensor_traffic_3d(const TrafficInput& in, Traffic& out);
 void sequence_traffic_ulysses(const TrafficInput& in, Traffic& out);
 void sequence_traffic_ring(const TrafficInput& in, Traffic& out);
 void sequence_traffic_rsa(const TrafficInput& in, Traffic& out);
+void sequence_traffic_hybrid(const TrafficInput& in, Traffic& out);
 void expert_traffic(const TrafficInput& in, Traffic& out);
 TrafficFn tensor_traffic(context::TensorMode mode);
 TrafficFn sequence_traffic(context::SequenceMode mode);
