@@ -32,7 +32,8 @@ using tessera::parallel::ScheduleKind;
 struct Args {
   int64_t layers = 8, hidden = 128, heads = 4, seq = 64, mb_rows = 2, microbatches = 8, chunks = 2;
   int64_t steps = 3, warmup = 1, rounds = 3;
-  std::string schedules = "gpipe,1f1b,interleaved,zb-h1,zb-h2";
+  std::string schedules = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v";
+  std::string partition = "count";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
 
@@ -47,8 +48,11 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
   c.group("Pipeline");
   c.add("schedules", &a.schedules, "schedules to time, comma-separated");
   c.add("mb-rows", &a.mb_rows, "sequences per micro-batch");
+  c.add("partition", &a.partition,
+        "how layers are cut into stages: count (equal layers), params (equal parameters: the embedding and the head "
+        "weigh little, so the V's stage pairs balance)");
   c.add("microbatches", &a.microbatches, "micro-batches per step");
-  c.add("chunks", &a.chunks, "model chunks per stage of the interleaved schedule");
+  c.add("chunks", &a.chunks, "model chunks per stage of the interleaved schedule (zb-v always runs 2)");
   c.group("Grid");
   tessera::context::add_grid_options(c, grid);
   c.default_text("pp", "ranks / --tp");
@@ -103,14 +107,24 @@ int run(const Args& a, tessera::context::ParallelConfig grid, const tessera::cli
     MPI_Barrier(MPI_COMM_WORLD);
   }
 
+  TORCH_CHECK(a.partition == "count" || a.partition == "params", "--partition ", a.partition,
+              " is not a partition of this benchmark; use count or params");
+  const auto partition = a.partition == "count" ? tessera::parallel::PartitionMethod::kLayerCount
+                                                : tessera::parallel::PartitionMethod::kParameterCount;
   for (const std::string& name : schedules) {
     const ScheduleKind kind = tessera::parallel::parse_schedule_kind(name);
-    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks) : 1;
+    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks)
+                       : kind == ScheduleKind::kZeroBubbleV   ? 2
+                                                              : 1;
     torch::manual_seed(1);
     tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_layer_factory(ctx));
     PipelineExecutor pipe(
         gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& t) { return gpt->loss(out, t); },
-        PipelineOptions().schedule(kind).microbatches(static_cast<int>(a.microbatches)).chunks(chunks));
+        PipelineOptions()
+            .schedule(kind)
+            .microbatches(static_cast<int>(a.microbatches))
+            .chunks(chunks)
+            .partition(partition));
     auto step = [&] {
       for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();
       pipe.run(x, y);
@@ -143,13 +157,16 @@ int run(const Args& a, tessera::context::ParallelConfig grid, const tessera::cli
     for (int v : sim.peak_inflight) peak = std::max(peak, v);
     if (rank == 0) {
       fmt::print(
-          "{{\"schedule\": \"{}\", \"pp\": {}, \"tp\": {}, \"chunks\": {}, \"microbatches\": {}, \"rows\": {}, \"seq\": {}, "
+          "{{\"schedule\": \"{}\", \"partition\": \"{}\", \"pp\": {}, \"tp\": {}, \"chunks\": {}, \"microbatches\": "
+          "{}, \"rows\": {}, \"seq\": {}, "
           "\"hidden\": {}, \"layers\": {}, \"step_ms\": {:.3f}, \"serial_step_ms\": {:.3f}, "
           "\"measured_bubble\": {:.4f}, \"simulated_bubble\": {:.4f}, \"simulated_step_ms\": {:.3f}, "
-          "\"peak_inflight\": {}, \"forward_ms\": {:.3f}, \"backward_ms\": {:.3f}, \"backward_input_ms\": {:.3f}, "
+          "\"peak_inflight\": {}, \"peak_inflight_stages\": {:.2f}, \"forward_ms\": {:.3f}, \"backward_ms\": {:.3f}, "
+          "\"backward_input_ms\": {:.3f}, "
           "\"backward_weight_ms\": {:.3f}}}\n",
-          name, pp, ctx->config().tensor(), chunks, a.microbatches, rows, a.seq, a.hidden, a.layers, step_ms, serial_ms, bubble, sim.bubble,
-          sim.makespan, peak, costs.forward, costs.backward, costs.backward_input, costs.backward_weight);
+          name, a.partition, pp, ctx->config().tensor(), chunks, a.microbatches, rows, a.seq, a.hidden, a.layers,
+          step_ms, serial_ms, bubble, sim.bubble, sim.makespan, peak, double(peak) / chunks, costs.forward,
+          costs.backward, costs.backward_input, costs.backward_weight);
       std::fflush(stdout);
     }
   }

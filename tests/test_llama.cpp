@@ -96,6 +96,12 @@ const std::vector<LayoutCase>& cases() {
       {"llama pp2 1f1b", 4, "llama", ParallelConfig().pipeline(2), false, 0, "ddp", parallel::ScheduleKind::k1F1B, 4},
       {"llama pp2 zb-h2", 4, "llama", ParallelConfig().pipeline(2), false, 0, "ddp",
        parallel::ScheduleKind::kZeroBubbleH2, 4},
+      // Two chunks per rank in a V: the embedding and the head on rank 0.
+      {"llama pp2 zb-v, 2p micro-batches", 4, "llama", ParallelConfig().pipeline(2), false, 0, "ddp",
+       parallel::ScheduleKind::kZeroBubbleV, 4},
+      // p micro-batches: fewer than the handcrafted order fills (the list scheduler's).
+      {"llama pp2 zb-v zero3, p micro-batches", 4, "llama", ParallelConfig().pipeline(2), false, 0, "zero3",
+       parallel::ScheduleKind::kZeroBubbleV, 2},
       {"llama tp2 zero2, activation checkpointing", 4, "llama", ParallelConfig().tensor(2), false, 0, "zero2",
        parallel::ScheduleKind::k1F1B, 1, true},
       {"qwen2 1d tp4 (q/k/v biases)", 4, "qwen2", ParallelConfig().tensor(4)},
@@ -211,7 +217,10 @@ void expect_training_equal(const LayoutCase& lc, const Weights& hf) {
   train::Trainer trainer(ctx, train::gpt_train_model(gpt, train::Precision::kFp32), make,
                          train::TrainerOptions()
                              .spec(parallel::ShardingSpec::parse(lc.spec))
-                             .pipeline(parallel::PipelineOptions().schedule(lc.schedule).microbatches(lc.microbatches))
+                             .pipeline(parallel::PipelineOptions()
+                                           .schedule(lc.schedule)
+                                           .microbatches(lc.microbatches)
+                                           .chunks(lc.schedule == parallel::ScheduleKind::kZeroBubbleV ? 2 : 1))
                              .bucket_bytes(4096));
   for (int step = 0; step < kSteps; ++step) {
     const at::Tensor ids = test::seeded_token_ids(100 + step, c.vocab(), kRows, kSeq);

@@ -107,6 +107,44 @@ TEST(PipelineSchedule, ZeroBubbleSchedulesMatchThePublishedClosedForms) {
   }
 }
 
+// ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V, F = I = W
+// per chunk (half a stage each). Written here: the last rank starts
+// (p - 1)/2 stage-times late and no rank idles between its first and last
+// action, so the step's bubble is ((p - 1)/2) / (3m + (p - 1)/2) =
+// (p - 1)/(6m + p - 1), half of ZB-H1's; every rank holds at most 2p chunks
+// (1F1B's activation memory: p micro-batches of a whole stage), and rank
+// p - 1 passes its chunk 0's output to its chunk 1 without a message.
+TEST(PipelineSchedule, ZeroBubbleVMatchesItsClosedForm) {
+  for (int p : {2, 4, 8}) {
+    for (int m : microbatch_counts(p)) {
+      const Schedule s = make_schedule(ScheduleKind::kZeroBubbleV, p, m, 2);
+      ASSERT_TRUE(s.v_shape);
+      const auto v = simulate(s, uniform(2));
+      const auto h1 = simulate(make_schedule(ScheduleKind::kZeroBubbleH1, p, m), uniform(1));
+      if (m >= 2 * p) {
+        EXPECT_NEAR(v.bubble, (p - 1.0) / (6.0 * m + p - 1), kExact) << "p " << p << " m " << m << "\n"
+                                                                     << parallel::draw(s, uniform(2), 4);
+        for (int r = 0; r < p; ++r) EXPECT_NEAR(v.idle_within[r], 0.0, kExact) << "p " << p << " m " << m << " r " << r;
+        EXPECT_LT(v.bubble, h1.bubble) << "p " << p << " m " << m;
+      }
+      for (int r = 0; r < p; ++r) EXPECT_LE(v.peak_inflight[r], std::min(2 * m, 2 * p)) << "p " << p << " m " << m;
+      for (int r = 0; r < p; ++r)
+        for (const auto& a : s.ranks[r]) {
+          EXPECT_EQ(s.rank_of(a.stage), r) << a.to_string();
+          const bool local = (a.kind == ActionKind::kSendActivation && a.stage == p - 1) ||
+                             (a.kind == ActionKind::kSendGrad && a.stage == p);
+          if (local) EXPECT_EQ(r, p - 1) << a.to_string();
+        }
+    }
+  }
+  const Schedule s = make_schedule(ScheduleKind::kZeroBubbleV, 2, 4, 2);
+  EXPECT_EQ(s.rank_of(0), 0);
+  EXPECT_EQ(s.rank_of(1), 1);
+  EXPECT_EQ(s.rank_of(2), 1);
+  EXPECT_EQ(s.rank_of(3), 0);
+  EXPECT_EQ(make_forward_schedule(2, 4, 2, true).rank_of(3), 0);
+}
+
 // Evaluation: forwards only, each once, only activation messages, no
 // activation held for a backward.
 TEST(PipelineSchedule, ForwardOnlyRunsEachForwardOnceWithoutGradients) {
@@ -188,10 +226,11 @@ TEST(PipelineSchedule, DeadlocksAndBadOrdersAreCaught) {
 TEST(PipelineSchedule, MessageBatchesPairWithoutTagsAndCompleteWithBlockingSends) {
   int checked = 0;
   for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B,
-                    ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleH2}) {
+                    ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleH2, ScheduleKind::kZeroBubbleV}) {
     for (int pp = 1; pp <= 8; ++pp) {
       for (int m = 1; m <= 12; ++m) {
-        const int chunks = kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
+        const bool v = kind == ScheduleKind::kZeroBubbleV;
+        const int chunks = kind == ScheduleKind::kInterleaved1F1B || v ? 2 : 1;
         Schedule s;
         try {
           s = make_schedule(kind, pp, m, chunks);
@@ -199,7 +238,7 @@ TEST(PipelineSchedule, MessageBatchesPairWithoutTagsAndCompleteWithBlockingSends
           continue;  // a combination the generator refuses
         }
         SCOPED_TRACE(s.name + " pp " + std::to_string(pp) + " m " + std::to_string(m));
-        if (kind == ScheduleKind::kInterleaved1F1B || kind == ScheduleKind::kZeroBubbleH2) {
+        if (kind == ScheduleKind::kInterleaved1F1B || kind == ScheduleKind::kZeroBubbleH2 || v) {
           // The order per pair holds; completion with blocking sends not
           // always (the executor then waits for sends at the end).
           bool completes = false;
@@ -207,7 +246,8 @@ TEST(PipelineSchedule, MessageBatchesPairWithoutTagsAndCompleteWithBlockingSends
         } else {
           EXPECT_NO_THROW(check_message_batches(s));
         }
-        EXPECT_NO_THROW(check_message_batches(make_forward_schedule(pp, m, chunks)));
+        EXPECT_NO_THROW(check_message_batches(make_forward_schedule(pp, m, chunks, v)));
+        if (v) EXPECT_NO_THROW(simulate(s)) << "every ZB-V schedule runs to its end";
         ++checked;
       }
     }
@@ -248,7 +288,10 @@ TEST(PipelineSchedule, BadArgumentsNameTheValue) {
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kGPipe, 0, 4), "pipeline size must be >= 1, got 0");
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kInterleaved1F1B, 2, 4, 1), "chunks (stages per rank) >= 2, got 1");
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::k1F1B, 2, 4, 2), "runs one chunk per rank, got chunks = 2");
-  EXPECT_ERROR_CONTAINS(parallel::parse_schedule_kind("2f2b"), "unknown pipeline schedule '2f2b'", "zb-h2");
+  EXPECT_ERROR_CONTAINS(parallel::parse_schedule_kind("2f2b"), "unknown pipeline schedule '2f2b'", "zb-v");
+  EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kZeroBubbleV, 2, 4, 1), "two chunks (stages) per rank in a V",
+                        "got chunks = 1");
+  EXPECT_EQ(parallel::parse_schedule_kind("zbv"), ScheduleKind::kZeroBubbleV);
   EXPECT_EQ(parallel::parse_schedule_kind("ZB-H1"), ScheduleKind::kZeroBubbleH1);
 }
 

@@ -475,6 +475,12 @@ TEST(Planner, BadInputIsRefused) {
   p.micro_batches = 1;
   p.spec = parallel::ShardingSpec::mics(3);
   EXPECT_ANY_THROW(planner::check_plan(model, p));
+  p.spec = parallel::ShardingSpec::ddp();
+  p.grid = context::ParallelConfig().data(2).pipeline(2);
+  p.schedule = ScheduleKind::kZeroBubbleV;
+  p.chunks = 2;
+  p.micro_batches = 4;
+  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "does not model the zb-v schedule"));
 }
 
 // Peak memory of a training step, counted by the allocator, against the

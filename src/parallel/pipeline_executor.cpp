@@ -118,7 +118,8 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
   group_ = options_.group() ? options_.group() : ctx->comm(context::ParallelMode::kPipeline);
   TORCH_CHECK(loss_ != nullptr, "pipeline: a loss function is needed");
   schedule_ = make_schedule(options_.schedule(), group_->size(), options_.microbatches(), options_.chunks());
-  forward_schedule_ = make_forward_schedule(group_->size(), options_.microbatches(), options_.chunks());
+  forward_schedule_ =
+      make_forward_schedule(group_->size(), options_.microbatches(), options_.chunks(), schedule_.v_shape);
   const int stages = schedule_.stages();
   const int64_t n = static_cast<int64_t>(model->size());
   switch (options_.partition()) {

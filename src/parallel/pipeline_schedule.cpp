@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <deque>
 #include <limits>
@@ -61,7 +62,16 @@ const char* short_name(ActionKind kind) {
 //                action to its last (the published parallelogram). In one
 //                synchronous step the last rank still starts pp - 1 late,
 //                so the bubble of the step equals ZB-H1's; the gain is that
-//                rank 0 finishes pp - 1 earlier (docs/pipeline.md).
+//                rank 0 finishes pp - 1 earlier (docs/pipeline.md);
+//   ZB-V         two chunks per rank in a V (stages r and 2pp - 1 - r),
+//                ZB-H's split backward, forwards in groups of pp
+//                micro-batches chunk by chunk, backwards chunk 1 then
+//                chunk 0, and at most 2pp chunks held per rank: 1F1B's
+//                activation memory (pp micro-batches of a whole stage).
+//                A chunk is half a stage, so the last rank starts
+//                (pp - 1)/2 stage-times late instead of pp - 1, and with
+//                F = I = W no rank idles between its first and last
+//                action: the step's bubble is (pp - 1)/(6m + pp - 1).
 // Because an action is only placed once what it needs has run, the orders
 // are deadlock-free by construction for any m, also where the closed-form
 // schedules assume pp divides m. If the in-flight limits ever leave no rank
@@ -79,7 +89,8 @@ std::vector<std::pair<int, int>> forward_order(int pp, int m, int v) {
 
 class Generator {
  public:
-  Generator(ScheduleKind kind, int pp, int m, int v) : kind_(kind), pp_(pp), m_(m), v_(v), stages_(pp * v) {
+  Generator(ScheduleKind kind, int pp, int m, int v)
+      : kind_(kind), pp_(pp), m_(m), v_(v), stages_(pp * v), v_shape_(kind == ScheduleKind::kZeroBubbleV) {
     fwd_done_.assign(stages_, std::vector<double>(m_, kUnknown));
     bwd_done_.assign(stages_, std::vector<double>(m_, kUnknown));
     ranks_.resize(pp_);
@@ -92,6 +103,7 @@ class Generator {
     s.pp = pp_;
     s.chunks = v_;
     s.microbatches = m_;
+    s.v_shape = v_shape_;
     s.ranks.resize(pp_);
     while (true) {
       int best_rank = -1;
@@ -127,6 +139,7 @@ class Generator {
   struct RankState {
     std::vector<std::pair<int, int>> forwards, backwards;  // (micro-batch, chunk) in order
     size_t next_f = 0, next_b = 0;
+    std::array<int, 2> v_next_f{0, 0}, v_next_b{0, 0};  // ZB-V: the next micro-batch of each chunk
     std::deque<std::pair<int, int>> pending_w;
     int inflight = 0, limit = 0;  // forwards whose B (or I) has not run
     int held = 0;                 // forwards whose B (or W) has not run
@@ -137,7 +150,7 @@ class Generator {
 
   void init_rank(int r) {
     RankState& st = ranks_[r];
-    if (kind_ == ScheduleKind::kInterleaved1F1B) {
+    if (kind_ == ScheduleKind::kInterleaved1F1B || v_shape_) {
       st.forwards = forward_order(pp_, m_, v_);
       for (int g = 0; g * pp_ < m_; ++g) {
         const int end = std::min(m_, (g + 1) * pp_);
@@ -145,6 +158,7 @@ class Generator {
           for (int mb = g * pp_; mb < end; ++mb) st.backwards.emplace_back(mb, c);
       }
       st.limit = std::min(m_ * v_, 2 * (pp_ - r - 1) + (v_ - 1) * pp_ + 1);
+      if (v_shape_) st.limit = st.hold_limit = std::min(m_ * v_, 2 * pp_);
     } else {
       for (int mb = 0; mb < m_; ++mb) {
         st.forwards.emplace_back(mb, 0);
@@ -168,20 +182,23 @@ class Generator {
     }
   }
 
-  int stage(int r, int chunk) const { return chunk * pp_ + r; }
+  struct Candidate {
+    Action action;
+    double ready;
+    int priority;  // lower is preferred
+  };
+
+  int stage(int r, int chunk) const { return v_shape_ && chunk == 1 ? 2 * pp_ - 1 - r : chunk * pp_ + r; }
 
   // The action rank r prefers and when it can start; false if none can be
   // placed yet (inputs not produced, or the in-flight limit reached).
   bool choose(int r, Action* out, double* start) {
     RankState& st = ranks_[r];
-    const bool split = kind_ == ScheduleKind::kZeroBubbleH1 || kind_ == ScheduleKind::kZeroBubbleH2;
-    struct Candidate {
-      Action action;
-      double ready;
-      int priority;  // lower is preferred
-    };
+    const bool split = kind_ == ScheduleKind::kZeroBubbleH1 || kind_ == ScheduleKind::kZeroBubbleH2 || v_shape_;
     std::vector<Candidate> cands;
-    if (st.next_f < st.forwards.size() && st.inflight < st.limit && st.held < st.hold_limit) {
+    if (v_shape_) {
+      v_candidates(r, &cands);
+    } else if (st.next_f < st.forwards.size() && st.inflight < st.limit && st.held < st.hold_limit) {
       const auto [mb, c] = st.forwards[st.next_f];
       const int s = stage(r, c);
       const double ready = s == 0 ? 0.0 : fwd_done_[s - 1][mb];
@@ -191,7 +208,7 @@ class Generator {
       if (ready != kUnknown) cands.push_back({{ActionKind::kForward, mb, s}, ready, forward_first ? 0 : 1});
     }
     const bool backward_allowed = kind_ != ScheduleKind::kGPipe || st.next_f == st.forwards.size();
-    if (st.next_b < st.backwards.size() && backward_allowed) {
+    if (!v_shape_ && st.next_b < st.backwards.size() && backward_allowed) {
       const auto [mb, c] = st.backwards[st.next_b];
       const int s = stage(r, c);
       const double own = fwd_done_[s][mb];
@@ -205,7 +222,7 @@ class Generator {
     if (!st.pending_w.empty()) {
       const auto [mb, s] = st.pending_w.front();
       const bool forced = st.held >= st.hold_limit && st.next_f < st.forwards.size();
-      cands.push_back({{ActionKind::kBackwardWeight, mb, s}, 0.0, forced ? -1 : 2});
+      cands.push_back({{ActionKind::kBackwardWeight, mb, s}, 0.0, forced ? -1 : 3});
     }
     if (cands.empty()) return false;
     double earliest = std::numeric_limits<double>::infinity();
@@ -220,9 +237,31 @@ class Generator {
     return true;
   }
 
+  // ZB-V: either chunk's next forward or input backward, whichever can
+  // start first; input backwards before forwards, chunk 1's forward (nearer
+  // the loss) before chunk 0's, and W's last unless the memory limit forces one.
+  void v_candidates(int r, std::vector<Candidate>* cands) const {
+    const RankState& st = ranks_[r];
+    for (int c : {1, 0}) {
+      const int mb = st.v_next_f[c], s = stage(r, c);
+      if (mb >= m_ || st.inflight >= st.limit || st.held >= st.hold_limit) continue;
+      const double ready = s == 0 ? 0.0 : fwd_done_[s - 1][mb];
+      if (ready != kUnknown) cands->push_back({{ActionKind::kForward, mb, s}, ready, c == 1 ? 1 : 2});
+    }
+    for (int c : {0, 1}) {
+      const int mb = st.v_next_b[c], s = stage(r, c);
+      if (mb >= m_) continue;
+      const double own = fwd_done_[s][mb];
+      const double ready = s == stages_ - 1 ? own : (own == kUnknown ? kUnknown : bwd_done_[s + 1][mb]);
+      if (ready != kUnknown) cands->push_back({{ActionKind::kBackwardInput, mb, s}, std::max(ready, own), 0});
+    }
+  }
+
   void execute(int r, const Action& a, double start) {
     RankState& st = ranks_[r];
     double cost = 1.0;
+    if (v_shape_ && a.kind == ActionKind::kForward) ++st.v_next_f[a.stage < pp_ ? 0 : 1];
+    if (v_shape_ && a.kind == ActionKind::kBackwardInput) ++st.v_next_b[a.stage < pp_ ? 0 : 1];
     switch (a.kind) {
       case ActionKind::kForward:
         ++st.next_f;
@@ -266,9 +305,52 @@ class Generator {
 
   ScheduleKind kind_;
   int pp_, m_, v_, stages_;
+  bool v_shape_;
   std::vector<std::vector<double>> fwd_done_, bwd_done_;  // [stage][micro-batch] completion time
   std::vector<RankState> ranks_;
 };
+
+// Note [ZB-V order]
+// With m >= 2pp - 1 each rank runs a fixed order (the paper's handcrafted
+// ZB-V, as TorchTitan's schedule runs it), with c0 = stage r, c1 = stage
+// 2pp - 1 - r:
+//   warm-up   2(pp - r) - 1 forwards of c0; r times (F c1, F c0); pp - r
+//             times (F c1, I c1, W c1)
+//   steady    until every forward has run: F c0 (while any is left), I c0,
+//             W c0, F c1, I c1, W c1
+//   cool-down r times (I c0, I c1); pp - r times (I c0, W c0); the W's
+//             left, chunk 1's first
+// The warm-up fills the V's first wait with chunk 0's forwards, and the W's
+// held back in the cool-down fill the wait for the last input gradients.
+// Fewer micro-batches do not fill the warm-up: the list scheduler above
+// places them instead.
+std::vector<std::vector<Action>> zero_bubble_v_order(int pp, int m) {
+  std::vector<std::vector<Action>> ranks(pp);
+  for (int r = 0; r < pp; ++r) {
+    const int stage[2] = {r, 2 * pp - 1 - r};
+    int next[3][2] = {};  // per kind (F, I, W) and chunk: the next micro-batch
+    auto& out = ranks[r];
+    auto run = [&](ActionKind kind, int k, int c) { out.push_back({kind, next[k][c]++, stage[c]}); };
+    auto F = [&](int c) { run(ActionKind::kForward, 0, c); };
+    auto I = [&](int c) { run(ActionKind::kBackwardInput, 1, c); };
+    auto W = [&](int c) { run(ActionKind::kBackwardWeight, 2, c); };
+    for (int k = 0; k < 2 * (pp - r) - 1; ++k) F(0);
+    for (int k = 0; k < r; ++k) F(1), F(0);
+    for (int k = 0; k < pp - r; ++k) F(1), I(1), W(1);
+    while (next[0][1] < next[0][0] || next[0][0] < m) {
+      if (next[0][0] < m) F(0);
+      I(0), W(0), F(1), I(1), W(1);
+    }
+    for (int k = 0; k < r; ++k) I(0), I(1);
+    for (int k = 0; k < pp - r; ++k) I(0), W(0);
+    while (next[2][1] < m) W(1);
+    while (next[2][0] < m) W(0);
+    for (int k = 0; k < 3; ++k)
+      TORCH_INTERNAL_ASSERT(next[k][0] == m && next[k][1] == m, "ZB-V order: kind ", k, " ran ", next[k][0], " and ",
+                            next[k][1], " of ", m, " micro-batches");
+  }
+  return ranks;
+}
 
 }  // namespace
 
@@ -284,7 +366,8 @@ ScheduleKind parse_schedule_kind(const std::string& text) {
   if (t == "interleaved" || t == "interleaved-1f1b" || t == "interleaved1f1b") return ScheduleKind::kInterleaved1F1B;
   if (t == "zb-h1" || t == "zbh1") return ScheduleKind::kZeroBubbleH1;
   if (t == "zb-h2" || t == "zbh2") return ScheduleKind::kZeroBubbleH2;
-  TORCH_CHECK(false, "unknown pipeline schedule '", text, "'; schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2");
+  if (t == "zb-v" || t == "zbv") return ScheduleKind::kZeroBubbleV;
+  TORCH_CHECK(false, "unknown pipeline schedule '", text, "'; schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v");
 }
 
 std::string to_string(ScheduleKind kind) {
@@ -299,6 +382,8 @@ std::string to_string(ScheduleKind kind) {
       return "zb-h1";
     case ScheduleKind::kZeroBubbleH2:
       return "zb-h2";
+    case ScheduleKind::kZeroBubbleV:
+      return "zb-v";
   }
   return "?";
 }
@@ -322,18 +407,33 @@ Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks) 
   if (kind == ScheduleKind::kInterleaved1F1B) {
     TORCH_CHECK(chunks >= 2, "pipeline schedule interleaved needs chunks (stages per rank) >= 2, got ", chunks,
                 "; with one chunk per rank use 1f1b");
+  } else if (kind == ScheduleKind::kZeroBubbleV) {
+    TORCH_CHECK(chunks == 2, "pipeline schedule zb-v runs two chunks (stages) per rank in a V, got chunks = ", chunks,
+                "; set chunks 2");
   } else {
     TORCH_CHECK(chunks == 1, "pipeline schedule ", name, " runs one chunk per rank, got chunks = ", chunks,
                 "; use the interleaved schedule for virtual stages");
   }
+  if (kind == ScheduleKind::kZeroBubbleV && microbatches >= 2 * pp - 1) {
+    Schedule s;
+    s.name = name;
+    s.pp = pp;
+    s.chunks = 2;
+    s.microbatches = microbatches;
+    s.v_shape = true;
+    s.ranks = zero_bubble_v_order(pp, microbatches);
+    return insert_communication(std::move(s));
+  }
   return insert_communication(Generator(kind, pp, microbatches, chunks).run());
 }
 
-Schedule make_forward_schedule(int pp, int microbatches, int chunks) {
+Schedule make_forward_schedule(int pp, int microbatches, int chunks, bool v_shape) {
   TORCH_CHECK(pp >= 1, "forward-only pipeline schedule: the pipeline size must be >= 1, got ", pp);
   TORCH_CHECK(microbatches >= 1, "forward-only pipeline schedule: the number of micro-batches must be >= 1, got ",
               microbatches);
   TORCH_CHECK(chunks >= 1, "forward-only pipeline schedule: chunks (stages per rank) must be >= 1, got ", chunks);
+  TORCH_CHECK(!v_shape || chunks == 2, "forward-only pipeline schedule: the V layout has two chunks per rank, got ",
+              chunks);
   // A training schedule's forward order with the backwards left out: fewer
   // waits, so still deadlock-free.
   Schedule s;
@@ -342,10 +442,11 @@ Schedule make_forward_schedule(int pp, int microbatches, int chunks) {
   s.chunks = chunks;
   s.microbatches = microbatches;
   s.forward_only = true;
+  s.v_shape = v_shape;
   s.ranks.resize(pp);
   for (int r = 0; r < pp; ++r)
     for (const auto& [mb, c] : forward_order(pp, microbatches, chunks))
-      s.ranks[r].push_back({ActionKind::kForward, mb, c * pp + r});
+      s.ranks[r].push_back({ActionKind::kForward, mb, s.stage_of(r, c)});
   return insert_communication(std::move(s));
 }
 

@@ -2,14 +2,17 @@
 // Pipeline schedules as data: for each pipeline rank, the list of actions it
 // runs in one training step. Generators build GPipe, 1F1B, interleaved 1F1B
 // and zero-bubble H1 and H2 (Qi et al. 2023); the executor (pipeline_executor.h) runs any schedule
-// and the simulator (pipeline_simulator.h) checks any schedule. See
-// docs/pipeline.md.
+// and the simulator (pipeline_simulator.h) checks any schedule; ZB-V places
+// each rank's two chunks in a V. See docs/pipeline.md.
 //
 // Note [Pipeline stages and messages]
 // A model cut into S = pp · v stages puts stage s on pipeline rank s % pp as
 // its local chunk s / pp (Megatron's interleaved layout; v = 1 is the plain
-// pipeline). Every action names a micro-batch and the stage it runs for on
-// its own rank:
+// pipeline). ZB-V's V layout instead puts stage s < pp on rank s and stage
+// s >= pp on rank 2pp - 1 - s: rank r holds stages r and 2pp - 1 - r, so
+// rank 0 holds the first and the last, and rank pp - 1 hands its chunk 0's
+// output to its own chunk 1 without a message. Every action names a
+// micro-batch and the stage it runs for on its own rank:
 //   F  forward of the stage              B  backward (input and weight parts)
 //   I  backward, input gradient only     W  backward, weight gradient only
 //   SA send the stage's output to s + 1   RA receive the stage's input from s - 1
@@ -47,9 +50,10 @@ struct Action {
   bool operator==(const Action& o) const { return kind == o.kind && microbatch == o.microbatch && stage == o.stage; }
 };
 
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1, kZeroBubbleH2 };
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1, kZeroBubbleH2, kZeroBubbleV };
 
-// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2" (also "interleaved-1f1b", "zbh1", "zbh2").
+// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (also
+// "interleaved-1f1b", "zbh1", "zbh2", "zbv").
 ScheduleKind parse_schedule_kind(const std::string& text);
 std::string to_string(ScheduleKind kind);
 
@@ -60,25 +64,31 @@ struct Schedule {
   int microbatches = 1;
   // Forwards only (evaluation): no backward actions, no gradient messages.
   bool forward_only = false;
+  // The V layout (two chunks per rank; Note [Pipeline stages and messages]).
+  bool v_shape = false;
   std::vector<std::vector<Action>> ranks;  // [pp][actions in order]
 
   int stages() const { return pp * chunks; }
-  int rank_of(int stage) const { return stage % pp; }
+  int rank_of(int stage) const { return v_shape && stage >= pp ? 2 * pp - 1 - stage : stage % pp; }
   int chunk_of(int stage) const { return stage / pp; }
+  // The stage of rank `rank`'s chunk `chunk`.
+  int stage_of(int rank, int chunk) const { return v_shape && chunk == 1 ? 2 * pp - 1 - rank : chunk * pp + rank; }
   // One line per rank, compute actions only unless `communication`.
   std::string to_string(bool communication = false) const;
 };
 
 // The schedule of `kind` for pp ranks, m micro-batches and `chunks` stages
-// per rank (interleaved only; the others take 1). Any m >= 1 is accepted;
+// per rank (interleaved: 2 or more; zb-v: 2, in a V; the others take 1).
+// Any m >= 1 is accepted;
 // with m < pp the pipeline never fills (the simulator reports the bubble).
 // Communication actions are included (insert_communication).
 Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks = 1);
 
 // Forwards only, for evaluation: the forwards in the order of 1F1B
 // (interleaved 1F1B with chunks > 1), each receive right before its forward and
-// each send right after; no activation is kept past its send.
-Schedule make_forward_schedule(int pp, int microbatches, int chunks = 1);
+// each send right after; no activation is kept past its send. `v_shape`
+// places the stages as ZB-V does (chunks 2).
+Schedule make_forward_schedule(int pp, int microbatches, int chunks = 1, bool v_shape = false);
 
 // Adds, around the compute actions of `compute_order` (one list per rank),
 // the receive right before the action that needs it and the send right after
