@@ -32,7 +32,7 @@ using tessera::parallel::ScheduleKind;
 struct Args {
   int64_t layers = 8, hidden = 128, heads = 4, seq = 64, mb_rows = 2, microbatches = 8, chunks = 2;
   int64_t steps = 3, warmup = 1, rounds = 3;
-  std::string schedules = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v";
+  std::string schedules = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v,dualpipev";
   std::string partition = "count";
   bench::Timing timing() const { return {int(steps), int(warmup), int(rounds)}; }
 };
@@ -52,7 +52,7 @@ tessera::cli::Command command(Args& a, tessera::context::ParallelConfig& grid) {
         "how layers are cut into stages: count (equal layers), params (equal parameters: the embedding and the head "
         "weigh little, so the V's stage pairs balance)");
   c.add("microbatches", &a.microbatches, "micro-batches per step");
-  c.add("chunks", &a.chunks, "model chunks per stage of the interleaved schedule (zb-v always runs 2)");
+  c.add("chunks", &a.chunks, "model chunks per stage of the interleaved schedule (zb-v and dualpipev always run 2)");
   c.group("Grid");
   tessera::context::add_grid_options(c, grid);
   c.default_text("pp", "ranks / --tp");
@@ -113,9 +113,8 @@ int run(const Args& a, tessera::context::ParallelConfig grid, const tessera::cli
                                                 : tessera::parallel::PartitionMethod::kParameterCount;
   for (const std::string& name : schedules) {
     const ScheduleKind kind = tessera::parallel::parse_schedule_kind(name);
-    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks)
-                       : kind == ScheduleKind::kZeroBubbleV   ? 2
-                                                              : 1;
+    const bool v = kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks) : v ? 2 : 1;
     torch::manual_seed(1);
     tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_layer_factory(ctx));
     PipelineExecutor pipe(

@@ -102,6 +102,9 @@ const std::vector<LayoutCase>& cases() {
       // p micro-batches: fewer than the handcrafted order fills (the list scheduler's).
       {"llama pp2 zb-v zero3, p micro-batches", 4, "llama", ParallelConfig().pipeline(2), false, 0, "zero3",
        parallel::ScheduleKind::kZeroBubbleV, 2},
+      // F&B blocks, whole and split backwards on one stage, under ZeRO-3's gathers.
+      {"llama pp2 dualpipev zero3, 2p micro-batches", 4, "llama", ParallelConfig().pipeline(2), false, 0, "zero3",
+       parallel::ScheduleKind::kDualPipeV, 4},
       {"llama tp2 zero2, activation checkpointing", 4, "llama", ParallelConfig().tensor(2), false, 0, "zero2",
        parallel::ScheduleKind::k1F1B, 1, true},
       {"qwen2 1d tp4 (q/k/v biases)", 4, "qwen2", ParallelConfig().tensor(4)},
@@ -220,7 +223,10 @@ void expect_training_equal(const LayoutCase& lc, const Weights& hf) {
                              .pipeline(parallel::PipelineOptions()
                                            .schedule(lc.schedule)
                                            .microbatches(lc.microbatches)
-                                           .chunks(lc.schedule == parallel::ScheduleKind::kZeroBubbleV ? 2 : 1))
+                                           .chunks(lc.schedule == parallel::ScheduleKind::kZeroBubbleV ||
+                                                           lc.schedule == parallel::ScheduleKind::kDualPipeV
+                                                       ? 2
+                                                       : 1))
                              .bucket_bytes(4096));
   for (int step = 0; step < kSteps; ++step) {
     const at::Tensor ids = test::seeded_token_ids(100 + step, c.vocab(), kRows, kSeq);

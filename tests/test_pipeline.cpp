@@ -166,9 +166,12 @@ TEST_P(PipelineSchedules, ThreeStepsOfGPTEqualSerial) {
   if (p > 4) GTEST_SKIP() << "the pure pipeline runs at 1, 2 and 4 ranks; 8 is the composed test";
   auto ctx = pipeline_context();
   // ZB-V: its handcrafted order from 2p - 1 micro-batches on (2p and 4p),
-  // the list scheduler's below (1).
-  const bool v = GetParam().kind == ScheduleKind::kZeroBubbleV;
-  for (int m : v ? std::vector<int>{1, 2 * p, 4 * p} : std::vector<int>{1, p, 2 * p + 1}) {
+  // the list scheduler's below (1). DualPipeV: 2p and 4p (it needs 2p).
+  const ScheduleKind kind = GetParam().kind;
+  const std::vector<int> counts = kind == ScheduleKind::kZeroBubbleV ? std::vector<int>{1, 2 * p, 4 * p}
+                                  : kind == ScheduleKind::kDualPipeV ? std::vector<int>{2 * p, 4 * p}
+                                                                     : std::vector<int>{1, p, 2 * p + 1};
+  for (int m : counts) {
     SCOPED_TRACE("micro-batches " + std::to_string(m));
     expect_matches_serial(ctx, m, PipelineOptions().schedule(GetParam().kind).chunks(GetParam().chunks));
   }
@@ -235,7 +238,7 @@ INSTANTIATE_TEST_SUITE_P(All, PipelineSchedules,
                          ::testing::Values(Case{ScheduleKind::kGPipe, 1}, Case{ScheduleKind::k1F1B, 1},
                                            Case{ScheduleKind::kInterleaved1F1B, 2},
                                            Case{ScheduleKind::kZeroBubbleH1, 1}, Case{ScheduleKind::kZeroBubbleH2, 1},
-                                           Case{ScheduleKind::kZeroBubbleV, 2}),
+                                           Case{ScheduleKind::kZeroBubbleV, 2}, Case{ScheduleKind::kDualPipeV, 2}),
                          case_name);
 
 // The GPT full-state names ("h.3.attn.c_attn.weight") of a pipeline layer ("h3").
@@ -439,7 +442,7 @@ TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
   if (p > 4) GTEST_SKIP() << "8 layers fit pipelines of up to 4 ranks with 2 chunks";
   constexpr int kLayers = 8;
   constexpr int64_t kWidth = 384, kRows = 96;  // 96 x 384 fp32: 144 KiB per message
-  const int m = p + 1;                         // a steady state on every rank
+  const int m = 2 * p + 1;                     // a steady state on every rank; dualpipev needs 2p
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   std::vector<at::Tensor> weights;
   for (int i = 0; i < kLayers; ++i)
@@ -455,11 +458,9 @@ TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
   serial_loss.backward();
 
   auto ctx = pipeline_context();
-  std::vector<Case> cases = {{ScheduleKind::kGPipe, 1},
-                             {ScheduleKind::k1F1B, 1},
-                             {ScheduleKind::kZeroBubbleH1, 1},
-                             {ScheduleKind::kZeroBubbleH2, 1},
-                             {ScheduleKind::kZeroBubbleV, 2}};
+  std::vector<Case> cases = {{ScheduleKind::kGPipe, 1},        {ScheduleKind::k1F1B, 1},
+                             {ScheduleKind::kZeroBubbleH1, 1}, {ScheduleKind::kZeroBubbleH2, 1},
+                             {ScheduleKind::kZeroBubbleV, 2},  {ScheduleKind::kDualPipeV, 2}};
   if (p > 1) cases.push_back({ScheduleKind::kInterleaved1F1B, 2});
   for (const Case& c : cases) {
     SCOPED_TRACE(parallel::to_string(c.kind));

@@ -145,6 +145,55 @@ TEST(PipelineSchedule, ZeroBubbleVMatchesItsClosedForm) {
   EXPECT_EQ(make_forward_schedule(2, 4, 2, true).rank_of(3), 0);
 }
 
+// DualPipeV (Note [DualPipeV order]): DeepSeek's table gives a bubble of
+// (PP/2 - 1)(F&B + B - 3W) per device for PP stages, here PP = 2p chunks
+// of cost F, B = I + W per chunk and F&B per block. Written here: the last
+// two ranks run the most blocks, 2m - 2p - 1, and the step is their work
+// plus that bubble, both for blocks as the executor runs them
+// (F&B = F + B: then every rank idles exactly the bubble) and for blocks
+// that hide a quarter of their cost; no rank idles more; each rank holds at
+// most 2p + 1 chunks; a block's backward follows its forward right away.
+TEST(PipelineSchedule, DualPipeVMatchesItsClosedForm) {
+  for (int p : {1, 2, 4, 8}) {
+    for (int m : {2 * p, 2 * p + 1, 3 * p, 4 * p, 4 * p + 3}) {
+      const Schedule s = make_schedule(ScheduleKind::kDualPipeV, p, m, 2);
+      ASSERT_TRUE(s.v_shape);
+      for (double overlap : {1.0, 0.75}) {
+        ActionCosts c = uniform(2);
+        const double fb = c.forward + c.backward;
+        c.forward_backward = overlap * fb;
+        const auto sim = simulate(s, c);
+        const double bubble = (p - 1) * (c.forward_backward + c.backward - 3 * c.backward_weight);
+        const auto work = [&](int blocks) { return 2 * m * fb - blocks * (fb - c.forward_backward); };
+        const std::string where = "p " + std::to_string(p) + " m " + std::to_string(m) + " F&B " +
+                                  std::to_string(c.forward_backward) + "\n" + parallel::draw(s, c, 4);
+        EXPECT_NEAR(sim.makespan, work(2 * m - 2 * p - 1) + bubble, kExact) << where;
+        for (int r = 0; r < p; ++r) {
+          int blocks = 0;
+          for (const auto& a : s.ranks[r]) blocks += a.paired;
+          EXPECT_EQ(blocks, r >= p - 2 ? 2 * m - 2 * p - 1 : 2 * m - 3 * p + r + 1) << "r " << r << " " << where;
+          if (overlap == 1.0) EXPECT_NEAR(sim.makespan - work(blocks), bubble, kExact) << "r " << r << " " << where;
+          EXPECT_LE(sim.makespan - work(blocks), bubble + kExact) << "r " << r << " " << where;
+        }
+      }
+      for (int r = 0; r < p; ++r) EXPECT_LE(simulate(s).peak_inflight[r], 2 * p + 1) << "p " << p << " m " << m;
+      for (int r = 0; r < p; ++r) {
+        const auto& actions = s.ranks[r];
+        for (size_t i = 0; i < actions.size(); ++i) {
+          if (!actions[i].paired) continue;
+          // RA RG F B SA SG, with the messages that stay on the rank left out.
+          ASSERT_LT(i + 1, actions.size());
+          EXPECT_EQ(actions[i + 1].kind, ActionKind::kBackward) << actions[i].to_string();
+        }
+      }
+    }
+  }
+  EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kDualPipeV, 4, 7, 2), "dualpipev needs at least 8 micro-batches",
+                        "zb-v");
+  EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kDualPipeV, 2, 4, 1), "two chunks (stages) per rank in a V");
+  EXPECT_EQ(parallel::parse_schedule_kind("DualPipe-V"), ScheduleKind::kDualPipeV);
+}
+
 // Evaluation: forwards only, each once, only activation messages, no
 // activation held for a backward.
 TEST(PipelineSchedule, ForwardOnlyRunsEachForwardOnceWithoutGradients) {
@@ -225,11 +274,12 @@ TEST(PipelineSchedule, DeadlocksAndBadOrdersAreCaught) {
 // in posted order and its batches complete with sends that block.
 TEST(PipelineSchedule, MessageBatchesPairWithoutTagsAndCompleteWithBlockingSends) {
   int checked = 0;
-  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B,
-                    ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleH2, ScheduleKind::kZeroBubbleV}) {
+  for (auto kind :
+       {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B, ScheduleKind::kZeroBubbleH1,
+        ScheduleKind::kZeroBubbleH2, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
     for (int pp = 1; pp <= 8; ++pp) {
       for (int m = 1; m <= 12; ++m) {
-        const bool v = kind == ScheduleKind::kZeroBubbleV;
+        const bool v = kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
         const int chunks = kind == ScheduleKind::kInterleaved1F1B || v ? 2 : 1;
         Schedule s;
         try {
@@ -247,7 +297,7 @@ TEST(PipelineSchedule, MessageBatchesPairWithoutTagsAndCompleteWithBlockingSends
           EXPECT_NO_THROW(check_message_batches(s));
         }
         EXPECT_NO_THROW(check_message_batches(make_forward_schedule(pp, m, chunks, v)));
-        if (v) EXPECT_NO_THROW(simulate(s)) << "every ZB-V schedule runs to its end";
+        if (v) EXPECT_NO_THROW(simulate(s)) << "every V schedule runs to its end";
         ++checked;
       }
     }

@@ -159,6 +159,9 @@ std::vector<Case> cases() {
   }
   out.push_back({"pp2_interleaved", ParallelConfig().pipeline(2), "ddp", 4, ScheduleKind::kInterleaved1F1B, 2});
   out.push_back({"pp2_zero3", ParallelConfig().pipeline(2), "zero3", 4});
+  // The V: stages 0 and 3 on rank 0, the turn at stage 1 -> 2 local to rank 1.
+  out.push_back({"pp2_zb_v", ParallelConfig().pipeline(2), "ddp", 4, ScheduleKind::kZeroBubbleV, 2});
+  out.push_back({"pp2_dualpipev_zero3", ParallelConfig().pipeline(2), "zero3", 4, ScheduleKind::kDualPipeV, 2});
   out.push_back({"tp2_1d", ParallelConfig().tensor(2), "ddp"});
   out.push_back({"tp2_1d_zero2", ParallelConfig().tensor(2), "zero2"});
   out.push_back({"tp4_2d", ParallelConfig().tensor(4).tensor_mode(TensorMode::k2D), "ddp"});
@@ -478,9 +481,13 @@ TEST(Planner, BadInputIsRefused) {
   p.spec = parallel::ShardingSpec::ddp();
   p.grid = context::ParallelConfig().data(2).pipeline(2);
   p.schedule = ScheduleKind::kZeroBubbleV;
-  p.chunks = 2;
+  p.chunks = 1;
   p.micro_batches = 4;
-  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "does not model the zb-v schedule"));
+  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "runs two chunks per rank in a V"));
+  p.schedule = ScheduleKind::kDualPipeV;
+  p.chunks = 2;
+  p.micro_batches = 2;
+  EXPECT_TRUE(test::throws_with([&] { planner::check_plan(model, p); }, "dualpipev needs at least 4 micro-batches"));
 }
 
 // Peak memory of a training step, counted by the allocator, against the

@@ -1,5 +1,7 @@
 #include "tessera/parallel/pipeline_schedule.h"
 
+#include "v_schedules.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -310,52 +312,10 @@ class Generator {
   std::vector<RankState> ranks_;
 };
 
-// Note [ZB-V order]
-// With m >= 2pp - 1 each rank runs a fixed order (the paper's handcrafted
-// ZB-V, as TorchTitan's schedule runs it), with c0 = stage r, c1 = stage
-// 2pp - 1 - r:
-//   warm-up   2(pp - r) - 1 forwards of c0; r times (F c1, F c0); pp - r
-//             times (F c1, I c1, W c1)
-//   steady    until every forward has run: F c0 (while any is left), I c0,
-//             W c0, F c1, I c1, W c1
-//   cool-down r times (I c0, I c1); pp - r times (I c0, W c0); the W's
-//             left, chunk 1's first
-// The warm-up fills the V's first wait with chunk 0's forwards, and the W's
-// held back in the cool-down fill the wait for the last input gradients.
-// Fewer micro-batches do not fill the warm-up: the list scheduler above
-// places them instead.
-std::vector<std::vector<Action>> zero_bubble_v_order(int pp, int m) {
-  std::vector<std::vector<Action>> ranks(pp);
-  for (int r = 0; r < pp; ++r) {
-    const int stage[2] = {r, 2 * pp - 1 - r};
-    int next[3][2] = {};  // per kind (F, I, W) and chunk: the next micro-batch
-    auto& out = ranks[r];
-    auto run = [&](ActionKind kind, int k, int c) { out.push_back({kind, next[k][c]++, stage[c]}); };
-    auto F = [&](int c) { run(ActionKind::kForward, 0, c); };
-    auto I = [&](int c) { run(ActionKind::kBackwardInput, 1, c); };
-    auto W = [&](int c) { run(ActionKind::kBackwardWeight, 2, c); };
-    for (int k = 0; k < 2 * (pp - r) - 1; ++k) F(0);
-    for (int k = 0; k < r; ++k) F(1), F(0);
-    for (int k = 0; k < pp - r; ++k) F(1), I(1), W(1);
-    while (next[0][1] < next[0][0] || next[0][0] < m) {
-      if (next[0][0] < m) F(0);
-      I(0), W(0), F(1), I(1), W(1);
-    }
-    for (int k = 0; k < r; ++k) I(0), I(1);
-    for (int k = 0; k < pp - r; ++k) I(0), W(0);
-    while (next[2][1] < m) W(1);
-    while (next[2][0] < m) W(0);
-    for (int k = 0; k < 3; ++k)
-      TORCH_INTERNAL_ASSERT(next[k][0] == m && next[k][1] == m, "ZB-V order: kind ", k, " ran ", next[k][0], " and ",
-                            next[k][1], " of ", m, " micro-batches");
-  }
-  return ranks;
-}
-
 }  // namespace
 
 std::string Action::to_string() const {
-  return std::string(short_name(kind)) + std::to_string(microbatch) + "@" + std::to_string(stage);
+  return std::string(short_name(kind)) + std::to_string(microbatch) + "@" + std::to_string(stage) + (paired ? "&" : "");
 }
 
 ScheduleKind parse_schedule_kind(const std::string& text) {
@@ -367,7 +327,9 @@ ScheduleKind parse_schedule_kind(const std::string& text) {
   if (t == "zb-h1" || t == "zbh1") return ScheduleKind::kZeroBubbleH1;
   if (t == "zb-h2" || t == "zbh2") return ScheduleKind::kZeroBubbleH2;
   if (t == "zb-v" || t == "zbv") return ScheduleKind::kZeroBubbleV;
-  TORCH_CHECK(false, "unknown pipeline schedule '", text, "'; schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v");
+  if (t == "dualpipev" || t == "dualpipe-v") return ScheduleKind::kDualPipeV;
+  TORCH_CHECK(false, "unknown pipeline schedule '", text,
+              "'; schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipev");
 }
 
 std::string to_string(ScheduleKind kind) {
@@ -384,6 +346,8 @@ std::string to_string(ScheduleKind kind) {
       return "zb-h2";
     case ScheduleKind::kZeroBubbleV:
       return "zb-v";
+    case ScheduleKind::kDualPipeV:
+      return "dualpipev";
   }
   return "?";
 }
@@ -407,21 +371,25 @@ Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks) 
   if (kind == ScheduleKind::kInterleaved1F1B) {
     TORCH_CHECK(chunks >= 2, "pipeline schedule interleaved needs chunks (stages per rank) >= 2, got ", chunks,
                 "; with one chunk per rank use 1f1b");
-  } else if (kind == ScheduleKind::kZeroBubbleV) {
-    TORCH_CHECK(chunks == 2, "pipeline schedule zb-v runs two chunks (stages) per rank in a V, got chunks = ", chunks,
-                "; set chunks 2");
+  } else if (kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV) {
+    TORCH_CHECK(chunks == 2, "pipeline schedule ", name,
+                " runs two chunks (stages) per rank in a V, got chunks = ", chunks, "; set chunks 2");
   } else {
     TORCH_CHECK(chunks == 1, "pipeline schedule ", name, " runs one chunk per rank, got chunks = ", chunks,
                 "; use the interleaved schedule for virtual stages");
   }
-  if (kind == ScheduleKind::kZeroBubbleV && microbatches >= 2 * pp - 1) {
+  TORCH_CHECK(kind != ScheduleKind::kDualPipeV || microbatches >= 2 * pp, "pipeline schedule dualpipev needs at least ",
+              2 * pp, " micro-batches (2 per pipeline rank) for pp ", pp, ", got ", microbatches,
+              "; use more micro-batches or zb-v, which runs any number");
+  if ((kind == ScheduleKind::kZeroBubbleV && microbatches >= 2 * pp - 1) || kind == ScheduleKind::kDualPipeV) {
     Schedule s;
     s.name = name;
     s.pp = pp;
     s.chunks = 2;
     s.microbatches = microbatches;
     s.v_shape = true;
-    s.ranks = zero_bubble_v_order(pp, microbatches);
+    s.ranks = kind == ScheduleKind::kDualPipeV ? detail::dualpipev_order(pp, microbatches)
+                                               : detail::zero_bubble_v_order(pp, microbatches);
     return insert_communication(std::move(s));
   }
   return insert_communication(Generator(kind, pp, microbatches, chunks).run());
@@ -452,19 +420,41 @@ Schedule make_forward_schedule(int pp, int microbatches, int chunks, bool v_shap
 
 Schedule insert_communication(Schedule s) {
   const int last = s.stages() - 1;
+  auto is_backward = [](const Action& a) {
+    return a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
+  };
+  auto receive = [&](const Action& a, std::vector<Action>& out) {
+    if (a.kind == ActionKind::kForward && a.stage > 0)
+      out.push_back({ActionKind::kRecvActivation, a.microbatch, a.stage});
+    if (is_backward(a) && a.stage < last) out.push_back({ActionKind::kRecvGrad, a.microbatch, a.stage});
+  };
+  auto send = [&](const Action& a, std::vector<Action>& out) {
+    if (a.kind == ActionKind::kForward && a.stage < last)
+      out.push_back({ActionKind::kSendActivation, a.microbatch, a.stage});
+    if (is_backward(a) && a.stage > 0) out.push_back({ActionKind::kSendGrad, a.microbatch, a.stage});
+  };
   for (auto& actions : s.ranks) {
+    std::vector<Action> compute;
+    for (const Action& a : actions)
+      if (a.is_compute()) compute.push_back(a);  // messages are regenerated below
     std::vector<Action> out;
-    out.reserve(actions.size() * 2);
-    for (const Action& a : actions) {
-      if (!a.is_compute()) continue;  // regenerated below
-      const bool backward = a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
-      if (a.kind == ActionKind::kForward && a.stage > 0)
-        out.push_back({ActionKind::kRecvActivation, a.microbatch, a.stage});
-      if (backward && a.stage < last) out.push_back({ActionKind::kRecvGrad, a.microbatch, a.stage});
+    out.reserve(compute.size() * 3);
+    for (size_t i = 0; i < compute.size(); ++i) {
+      const Action& a = compute[i];
+      if (a.paired) {
+        // An F&B block: both receives, both computes, both sends.
+        TORCH_CHECK(a.kind == ActionKind::kForward && i + 1 < compute.size() && is_backward(compute[i + 1]),
+                    "pipeline schedule ", s.name, ": ", a.to_string(),
+                    " is paired, and only a forward followed by a backward (B or I) forms an F&B block");
+        const Action& b = compute[++i];
+        receive(a, out), receive(b, out);
+        out.push_back(a), out.push_back(b);
+        send(a, out), send(b, out);
+        continue;
+      }
+      receive(a, out);
       out.push_back(a);
-      if (a.kind == ActionKind::kForward && a.stage < last)
-        out.push_back({ActionKind::kSendActivation, a.microbatch, a.stage});
-      if (backward && a.stage > 0) out.push_back({ActionKind::kSendGrad, a.microbatch, a.stage});
+      send(a, out);
     }
     actions = std::move(out);
   }

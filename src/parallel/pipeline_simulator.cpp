@@ -56,7 +56,7 @@ class Simulator {
             TORCH_CHECK(sent_.count(key) == 0, where(r, pos[r], a), "sends the same message twice");
             sent_[key] = time[r] + costs_.message;
           } else {
-            const double cost = cost_of(a.kind);
+            const double cost = a.paired ? paired_forward_cost(r, pos[r]) : cost_of(a.kind);
             sim.timeline[r].emplace_back(time[r], a);
             time[r] += cost;
             sim.busy[r] += cost;
@@ -142,6 +142,21 @@ class Simulator {
     }
   }
 
+  // A paired forward's share of its F&B block: the block's cost less its
+  // backward's, so that the block costs costs_.forward_backward.
+  double paired_forward_cost(int r, size_t i) const {
+    const auto& actions = s_.ranks[r];
+    const Action& a = actions[i];
+    TORCH_CHECK(a.kind == ActionKind::kForward && i + 1 < actions.size() &&
+                    (actions[i + 1].kind == ActionKind::kBackward || actions[i + 1].kind == ActionKind::kBackwardInput),
+                where(r, i, a), "a paired forward must be followed right away by its block's backward (B or I)");
+    if (costs_.forward_backward < 0) return costs_.forward;
+    const double backward = cost_of(actions[i + 1].kind);
+    TORCH_CHECK(costs_.forward_backward >= backward, where(r, i, a), "the F&B block's cost ", costs_.forward_backward,
+                " is below its backward's ", backward);
+    return costs_.forward_backward - backward;
+  }
+
   // The action is on its rank, in range, not repeated, and after what it needs.
   void check_action(int r, size_t i, const Action& a) const {
     TORCH_CHECK(a.stage >= 0 && a.stage < s_.stages() && a.microbatch >= 0 && a.microbatch < s_.microbatches,
@@ -205,8 +220,12 @@ std::string draw(const Schedule& schedule, const ActionCosts& costs, int chars_p
   std::ostringstream os;
   for (int r = 0; r < schedule.pp; ++r) {
     std::string row(cells(sim.makespan), '.');
-    for (const auto& [start, a] : sim.timeline[r]) {
-      const double cost = a.kind == ActionKind::kForward         ? costs.forward
+    const auto& line = sim.timeline[r];
+    for (size_t k = 0; k < line.size(); ++k) {
+      const auto& [start, a] = line[k];
+      // A paired forward ends where its block's backward starts.
+      const double cost = a.paired                               ? line[k + 1].first - start
+                          : a.kind == ActionKind::kForward       ? costs.forward
                           : a.kind == ActionKind::kBackward      ? costs.backward
                           : a.kind == ActionKind::kBackwardInput ? costs.backward_input
                                                                  : costs.backward_weight;

@@ -9,6 +9,12 @@ namespace planner {
 
 int Plan::world() const { return grid.data() * grid.pipeline() * grid.tensor() * grid.sequence(); }
 
+int Plan::pipeline_rank_of(int stage) const {
+  const int pp = grid.pipeline();
+  const bool v = schedule == parallel::ScheduleKind::kZeroBubbleV || schedule == parallel::ScheduleKind::kDualPipeV;
+  return v && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
+}
+
 int64_t Plan::replica_batch() const {
   TORCH_CHECK(grid.data() > 0, "plan: the data size must be resolved (> 0)");
   return global_batch / grid.data();

@@ -67,11 +67,12 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
   const auto sequence_modes = options.sequence_modes().empty()
                                   ? std::vector<context::SequenceMode>{context::SequenceMode::kUlysses}
                                   : options.sequence_modes();
-  const auto schedules = options.schedules().empty()
-                             ? std::vector<parallel::ScheduleKind>{parallel::ScheduleKind::k1F1B,
-                                                                   parallel::ScheduleKind::kInterleaved1F1B,
-                                                                   parallel::ScheduleKind::kZeroBubbleH1}
-                             : options.schedules();
+  const auto schedules =
+      options.schedules().empty()
+          ? std::vector<parallel::ScheduleKind>{parallel::ScheduleKind::k1F1B, parallel::ScheduleKind::kInterleaved1F1B,
+                                                parallel::ScheduleKind::kZeroBubbleH1,
+                                                parallel::ScheduleKind::kZeroBubbleV}
+          : options.schedules();
   const int max_tp = model.opaque() ? 1 : (options.max_tensor() > 0 ? options.max_tensor() : cluster.gpus_per_node);
   const int max_sp = model.opaque() ? 1 : std::max(1, options.max_sequence());
   const int max_pp = model.opaque() ? 1 : (options.max_pipeline() > 0 ? options.max_pipeline() : world);
@@ -139,7 +140,11 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
               plan.global_batch = options.global_batch();
               plan.micro_batches = m;
               plan.schedule = kind;
-              plan.chunks = kind == parallel::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+              plan.chunks = kind == parallel::ScheduleKind::kInterleaved1F1B ||
+                                    kind == parallel::ScheduleKind::kZeroBubbleV ||
+                                    kind == parallel::ScheduleKind::kDualPipeV
+                                ? 2
+                                : 1;
               plan.checkpoint_activations = ckpt;
               plan.offload = offload ? parallel::Offload::kHost : parallel::Offload::kNone;
               plan.bf16 = options.bf16();

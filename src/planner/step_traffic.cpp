@@ -6,6 +6,7 @@
 #include "grid_math.h"
 
 #include "tessera/comm/hierarchical_communicator.h"
+#include "tessera/parallel/pipeline_schedule.h"
 #include "tessera/parallel/sharding_spec.h"
 
 #include <c10/util/Exception.h>
@@ -84,6 +85,10 @@ void sharded_traffic(const Plan& plan, ParallelMode mode, const std::string& bas
 }  // namespace
 
 LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) {
+  return local_params(model, plan, stages_of(model, plan, pp_rank));
+}
+
+LocalParams local_params(const ModelDesc& model, const Plan& plan, const std::vector<StageShape>& stages) {
   LocalParams lp;
   if (model.opaque()) {
     lp.dense = static_cast<double>(model.params());
@@ -114,7 +119,9 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
   const double head_norm = model.qk_norm() ? 2 * d : 0;
   const int64_t vocab_unit = detail::rank_grid(c).vocab_unit();
   double weights = 0, col_b = 0, replicated = 0, head_norms = 0;  // this rank's, unsplit by vec_div for vectors
-  for (const StageShape& st : stages_of(model, plan, pp_rank)) {
+  bool has_embed = false;  // a tied head beside the embedding (pp 1, or the V's rank 0) shares its table
+  for (const StageShape& st : stages) has_embed = has_embed || st.embed;
+  for (const StageShape& st : stages) {
     for (int64_t b = st.first_block; b < st.first_block + st.blocks; ++b) {
       weights += attn_w / mat_div;
       col_b += attn_col_b;
@@ -139,7 +146,7 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
     }
     if (st.head) {
       replicated += norm;
-      if (!model.tied() || (plan.grid.pipeline() > 1 && !st.embed)) weights += table;
+      if (!model.tied() || !has_embed) weights += table;
     }
   }
   const double col = one_d ? col_b / tp : col_b / vec_div, rep = replicated / vec_div;
@@ -170,10 +177,30 @@ LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank) 
 void data_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Traffic& out) {
   const auto& c = plan.grid;
   const LocalParams lp = local_params(model, plan, pp_rank);
-  // Under a pipeline each micro-batch gathers its stage's sharded parameters
-  // for its forward and again for its backward; gradient accumulation
-  // without a pipeline keeps them gathered over its micro-batches.
-  const double gathers = c.pipeline() > 1 ? 2.0 * plan.micro_batches : 2.0;
+  // Under a pipeline, sharded parameters are gathered around each compute
+  // action (Note [ZeRO-3 under a pipeline]): a stage's units once per F, B,
+  // I and W of the schedule; a tied head gathers the embedding's whole unit
+  // (the table and the positions), also on the embedding's rank; as
+  // gathers of the rank's parameters, a weighted count per kind of
+  // parameter. Gradient accumulation without a pipeline keeps them gathered
+  // over its micro-batches: once for forward, once for backward.
+  double gathers = 2.0, expert_gathers = 2.0;
+  if (c.pipeline() > 1) {
+    const auto schedule =
+        parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks);
+    std::map<int, int> actions;  // stage -> compute actions
+    for (const auto& a : schedule.ranks[pp_rank]) actions[a.stage] += a.is_compute();
+    double dense = 0, expert = 0;
+    for (const StageShape& st : stages_of(model, plan, pp_rank)) {
+      std::vector<StageShape> gathered{st};
+      if (model.tied() && st.head && !st.embed) gathered.push_back(StageShape{st.stage, 0, 0, true, false});
+      const LocalParams one = local_params(model, plan, gathered);
+      dense += actions[st.stage] * one.dense;
+      expert += actions[st.stage] * one.expert;
+    }
+    gathers = lp.dense > 0 ? dense / lp.dense : 0;
+    expert_gathers = lp.expert > 0 ? expert / lp.expert : 0;
+  }
   double units = 0;
   for (const StageShape& st : stages_of(model, plan, pp_rank))
     units += static_cast<double>(st.blocks) + (st.embed ? 1 : 0) + (st.head ? 1 : 0);
@@ -189,8 +216,8 @@ void data_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Traffic
                     prefetched, out);
   }
   if (lp.expert > 0)
-    sharded_traffic(plan, ParallelMode::kExpertData, mname(ParallelMode::kExpertData), c.data() / c.expert(),
-                    lp.expert, gathers, static_cast<double>(model.moe_blocks()), prefetched, out);
+    sharded_traffic(plan, ParallelMode::kExpertData, mname(ParallelMode::kExpertData), c.data() / c.expert(), lp.expert,
+                    expert_gathers, static_cast<double>(model.moe_blocks()), prefetched, out);
   const parallel::ShardDegrees d = plan.spec.resolve(c.data());
   for (const auto& [mode, numel] : lp.partial) {
     const int n = context::RankGrid(c, plan.world()).group_size(mode);
@@ -211,9 +238,10 @@ void pipeline_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Tra
   const double m = static_cast<double>(plan.micro_batches), e = element_bytes(plan);
   const std::string g = mname(ParallelMode::kPipeline);
   for (const StageShape& st : stages_of(model, plan, pp_rank)) {
-    // Hand-overs between two stages of one rank are local (chunk wrap-around).
-    const bool next_remote = st.stage + 1 < stages && (st.stage + 1) % pp != pp_rank;
-    const bool prev_remote = st.stage > 0 && (st.stage - 1) % pp != pp_rank;
+    // Hand-overs between two stages of one rank are local (the interleaved
+    // wrap-around with pp 1, the V's turn on rank pp - 1).
+    const bool next_remote = st.stage + 1 < stages && plan.pipeline_rank_of(st.stage + 1) != pp_rank;
+    const bool prev_remote = st.stage > 0 && plan.pipeline_rank_of(st.stage - 1) != pp_rank;
     if (next_remote) {
       out.add("pipeline", ParallelMode::kPipeline, g, pp, OpType::kSend, m, act, e);
       out.add("pipeline", ParallelMode::kPipeline, g, pp, OpType::kRecv, m, act, e);
@@ -228,7 +256,7 @@ void pipeline_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Tra
   if (model.tied()) {
     bool holds = false;
     for (const StageShape& st : stages_of(model, plan, pp_rank)) holds = holds || st.embed || st.head;
-    const int first = 0, last = (stages - 1) % pp;
+    const int first = 0, last = plan.pipeline_rank_of(stages - 1);
     if (holds && first != last) {
       out.add("pipeline", ParallelMode::kPipeline, "pipeline.tied", 2, OpType::kAllReduce, 1,
               static_cast<double>(pad_to(model.vocab(), detail::rank_grid(c).vocab_unit()) * model.hidden()) /

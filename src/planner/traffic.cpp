@@ -93,7 +93,8 @@ std::vector<StageShape> stages_of(const ModelDesc& model, const Plan& plan, int 
   // The trainer's sequence: embed, blocks, head (GPTImpl::as_sequential).
   const auto bounds = parallel::partition_by_count(model.layers() + 2, stages);
   std::vector<StageShape> out;
-  for (int s = pp_rank; s < stages; s += pp) {
+  for (int s = pp_rank; s < stages; ++s) {
+    if (plan.pipeline_rank_of(s) != pp_rank) continue;
     const int64_t lo = bounds[s], hi = bounds[s + 1];
     StageShape st;
     st.stage = s;

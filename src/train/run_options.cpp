@@ -48,11 +48,11 @@ void grid_options(cli::Command& c, RunOptions& r) {
       "bucket-mb", &r.bucket_mb(),
       "gradient buckets in MiB when gradients are not sharded (the first closes at 1 MiB); smaller ones start reducing "
       "earlier in backward");
-  c.add("schedule", &r.schedule(), "pipeline schedule", "gpipe|1f1b|interleaved|zb-h1|zb-h2|zb-v",
+  c.add("schedule", &r.schedule(), "pipeline schedule", "gpipe|1f1b|interleaved|zb-h1|zb-h2|zb-v|dualpipev",
         parallel::parse_schedule_kind, [](parallel::ScheduleKind k) { return parallel::to_string(k); });
   c.add("microbatches", &r.microbatches(), "pipeline micro-batches per step");
   c.default_text("microbatches", "2 x --pp");
-  c.add("chunks", &r.chunks(), "pipeline stages per rank (interleaved: 2 or more; zb-v: 2)");
+  c.add("chunks", &r.chunks(), "pipeline stages per rank (interleaved: 2 or more; zb-v, dualpipev: 2)");
   c.add("accumulation", &r.accumulation(), "micro-batches per step without a pipeline");
   c.add("checkpoint-activations", &r.model().checkpoint_activations(),
         "recompute each block's activations in backward instead of keeping them");

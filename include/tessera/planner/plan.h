@@ -22,7 +22,7 @@ struct Plan {
   // accumulation steps without a pipeline.
   int64_t micro_batches = 1;
   parallel::ScheduleKind schedule = parallel::ScheduleKind::k1F1B;
-  int chunks = 1;  // stages per pipeline rank (interleaved)
+  int chunks = 1;  // stages per pipeline rank (interleaved; 2 in a V for zb-v and dualpipev)
   bool checkpoint_activations = false;
   // Optimizer states and fp32 masters: with the parameters, or in host
   // memory, stepped there (the planner does not model disk).
@@ -37,6 +37,9 @@ struct Plan {
   int world() const;
   int64_t replica_batch() const;      // sequences per data replica and step
   int64_t micro_batch_rows() const;   // sequences per micro-batch
+  // The pipeline rank holding stage `stage`: s % pp, or the V of zb-v and
+  // dualpipev (Note [Pipeline stages and messages]).
+  int pipeline_rank_of(int stage) const;
   // One line: "dp8 pp1 tp1(1d) sp1 ep1 {R,R,S} mb1 1f1b ckpt=0 offload=0 fp32".
   std::string to_string() const;
   std::string to_json() const;

@@ -18,7 +18,7 @@ struct SearchOptions {
   TORCH_ARG(bool, bf16) = true;
   TORCH_ARG(int, top) = 5;
   // What may vary. Empty lists mean: tensor {1d}, sequence {ulysses} (only
-  // tried with sp > 1), schedules {1f1b, interleaved, zb-h1}.
+  // tried with sp > 1), schedules {1f1b, interleaved, zb-h1, zb-v}.
   TORCH_ARG(std::vector<context::TensorMode>, tensor_modes) = {};
   TORCH_ARG(std::vector<context::SequenceMode>, sequence_modes) = {};
   TORCH_ARG(std::vector<parallel::ScheduleKind>, schedules) = {};

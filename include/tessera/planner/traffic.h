@@ -112,6 +112,9 @@ struct LocalParams {
   std::vector<std::pair<context::ParallelMode, double>> partial;  // of `dense`, per group
 };
 LocalParams local_params(const ModelDesc& model, const Plan& plan, int pp_rank);
+// The same for the given stages alone (a tied table counted once where the
+// embedding is among them).
+LocalParams local_params(const ModelDesc& model, const Plan& plan, const std::vector<StageShape>& stages);
 
 // Everything one rank moves in a step: data_traffic, pipeline_traffic and
 // every micro-batch of its stages' mode functions.
