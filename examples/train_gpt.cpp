@@ -15,6 +15,7 @@
 #include <tessera/comm/tracing_communicator.h>
 #include <tessera/context/hosts.h>
 #include <tessera/train/gpt_run.h>
+#include <tessera/train/link_probe.h>
 #include <tessera/train/metrics.h>
 #include <tessera/train/run_plan.h>
 #include <tessera/train/token_data.h>
@@ -80,7 +81,8 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
   const double peak_flops = train::measured_matmul_flops(device.is_cuda() ? 4096 : 512, 5, device,
                                                          options.bf16() ? at::kBFloat16 : at::kFloat);
   const auto& cfg = run.config();
-  const std::string hosts = context::map_hosts(*world).describe();
+  const context::HostMap host_map = context::map_hosts(*world);
+  const std::string hosts = host_map.describe();
   log.print(fmt::format(
       "train_gpt: {} | {} | data {} ({} tokens, vocab {}) | GPT {} layers, hidden {}, {} heads, "
       "{:.2f} M parameters | {} | {} steps of {} x {} tokens",
@@ -129,20 +131,37 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
     if (options.rank_times())
       log.record("ranks", {{"step", static_cast<double>(st.step)}},
                  {{"compute_s", st.rank_compute_seconds}, {"wait_s", st.rank_wait_seconds}});
+    // Note [Slow links]: between steps, every rank at once.
+    std::string slow_link;
+    const int64_t probe_every = options.link_probe_every();
+    if (probe_every > 0 && host_map.hosts() >= 2 && (st.step % probe_every == 0 || st.step == 1)) {
+      const train::LinkProbe probe = train::probe_links(*world, host_map);
+      log.record("links",
+                 {{"step", static_cast<double>(st.step)},
+                  {"slow_host", static_cast<double>(probe.slow_host)},
+                  {"slowdown", probe.slowdown}},
+                 {{"host_seconds", probe.host_seconds}});
+      if (probe.slow_host >= 0)
+        slow_link = fmt::format(" | slow link: host {} ({:.0f} ms per 1 MiB exchange, {:.1f}x the median host)",
+                                host_map.names[static_cast<size_t>(probe.slow_host)],
+                                1000 * probe.host_seconds[static_cast<size_t>(probe.slow_host)], probe.slowdown);
+    }
     // Note [Stragglers]: named when its lag is a large enough part of the step.
     const bool straggling = st.slowest_rank >= 0 && options.straggler_threshold() > 0 &&
                             st.straggler_lag > options.straggler_threshold() * st.seconds;
     if (st.step % options.log_every() == 0 || st.step == options.steps())
       log.print(fmt::format(
-          "step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | comm {}/step/rank "
-          "| {:.0f} ms{}{}{}",
+          "step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | comm "
+          "{}/step/rank "
+          "| {:.0f} ms{}{}{}{}",
           st.step, options.steps(), options.elastic() ? fmt::format(" | {} | batch {}", run.layout_name(), batch) : "",
           st.loss, st.lr, tokens_per_s, 100 * mfu, human_bytes(state), human_bytes(comm_bytes), 1000 * st.seconds,
           cfg.experts() > 0 ? fmt::format(" | experts max/mean {:.2f}, aux {:.4f}, dropped {:.0f}", moe.max_over_mean,
                                           moe.aux_loss, moe.dropped)
                             : "",
           st.skipped ? " | skipped (overflow)" : "",
-          straggling ? fmt::format(" | slowest rank {} +{:.0f} ms", st.slowest_rank, 1000 * st.straggler_lag) : ""));
+          straggling ? fmt::format(" | slowest rank {} +{:.0f} ms", st.slowest_rank, 1000 * st.straggler_lag) : "",
+          slow_link));
     const int64_t every = options.eval_every();
     if (every > 0 && (st.step % every == 0 || st.step == options.steps())) {
       const auto v = data.windows(train::Split::kValidation, batch, options.seq(),

@@ -7,6 +7,17 @@ skip() {
   exit 77
 }
 
+# A test's start: NAME set to PREFIX and this shell's pid (8 characters at
+# most: the cluster's device names derive from it), DIR emptied, and the
+# namespaces required.
+begin_cluster_test() {
+  local prefix=$1 dir=$2
+  name=$prefix$$
+  name=${name:0:8}
+  rm -rf "$dir" && mkdir -p "$dir"
+  require_namespaces "$name" "$dir"
+}
+
 # Root, and a kernel or container that allows network namespaces (probed
 # with one named NAME-probe; its error goes to DIR/probe.log).
 require_namespaces() {

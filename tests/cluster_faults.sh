@@ -15,12 +15,8 @@
 # reported as not tested. Needs root and nft; a skip (exit 77) otherwise.
 set -uo pipefail
 cluster=$1 train_gpt=$2 data=$3 out=$4
-name=cf$$
-name=${name:0:8}
-rm -rf "$out" && mkdir -p "$out"
-
 . "$(dirname "$0")/cluster_common.sh"
-require_namespaces "$name" "$out"
+begin_cluster_test cf "$out"
 command -v nft > /dev/null || skip "packet loss needs nft (scripts/install-deps.sh installs nftables)"
 # A kernel without nf_tables' netdev family cannot drop packets on a link.
 ip netns add "$name-probe" && ip netns exec "$name-probe" nft add table netdev probe 2> "$out/probe.log" || {

@@ -18,12 +18,8 @@
 # reports a skip (exit 77) with the reason.
 set -uo pipefail
 launcher=$1 cluster=$2 test_train=$3 train_gpt=$4 data=$5 out=$6
-name=c${launcher:0:1}$$
-name=${name:0:8}
-rm -rf "$out" && mkdir -p "$out"
-
 . "$(dirname "$0")/cluster_common.sh"
-require_namespaces "$name" "$out"
+begin_cluster_test "c${launcher:0:1}" "$out"
 if [ "$launcher" = srun ]; then
   for tool in slurmctld slurmd srun munged; do
     command -v $tool > /dev/null || skip "srun needs $tool (scripts/install-deps.sh installs Slurm and munge)"

@@ -1,6 +1,7 @@
 // Note [Stragglers] in trainer.h: a rank made slower than the others is
 // named on every rank, with its lag; the others' time goes to waiting.
 #include "tessera/context/parallel_context.h"
+#include "tessera/train/link_probe.h"
 #include "tessera/train/trainer.h"
 #include "test_util.h"
 
@@ -11,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 namespace tessera {
@@ -87,6 +89,57 @@ TEST(Stragglers, OffUnlessAskedForButTheWaitIsMeasured) {
   EXPECT_EQ(st.slowest_rank, -1);
   EXPECT_EQ(st.straggler_lag, 0);
   if (world->rank() != 0) EXPECT_GE(st.wait_seconds, 0.8 * kDelay) << "rank 0 sleeps; this rank waits for it";
+}
+
+// Note [Slow links]: the rule on hand-written times. A host whose every
+// exchange is slow is named with its slowdown; two hosts, or a slowdown
+// within the factor, name none.
+TEST(SlowLinks, TheHostWhoseEveryExchangeIsSlowIsNamed) {
+  const double f = 0.008, s = 0.08;  // 1 MiB at 1 Gbit/s and at a tenth
+  const auto three = train::name_slow_host({{0, f, s}, {f, 0, s}, {s, s, 0}}, 2.0);
+  EXPECT_EQ(three.slow_host, 2);
+  EXPECT_DOUBLE_EQ(three.slowdown, 10.0);
+  EXPECT_EQ(three.host_seconds, (std::vector<double>{f, f, s}));
+  const auto four = train::name_slow_host({{0, s, f, f}, {s, 0, s, s}, {f, s, 0, f}, {f, s, f, 0}}, 2.0);
+  EXPECT_EQ(four.slow_host, 1);
+  EXPECT_EQ(train::name_slow_host({{0, f, 1.5 * f}, {f, 0, 1.5 * f}, {1.5 * f, 1.5 * f, 0}}, 2.0).slow_host, -1)
+      << "1.5x is within the factor";
+  const auto two = train::name_slow_host({{0, s}, {s, 0}}, 2.0);
+  EXPECT_EQ(two.slow_host, -1) << "two hosts share one path";
+  EXPECT_EQ(two.host_seconds, (std::vector<double>{s, s}));
+  EXPECT_TRUE(test::throws_with([] { train::name_slow_host({{0}}, 2.0); }, "needs two hosts or more, got 1"));
+  EXPECT_TRUE(test::throws_with(
+      [&] {
+        train::name_slow_host({{0, f}, {-1, 0}}, 2.0);
+      },
+      "the exchange of hosts 1 and 0 took -1 s"));
+}
+
+// The collective on this machine with the ranks split into made-up hosts
+// (every rank its own, then pairs): every host's time measured, alike on
+// every rank; one host is refused with the reason.
+TEST(SlowLinks, TheProbeTimesEveryHostAlikeOnEveryRank) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (int per_host : {1, 2}) {
+    if (n % per_host != 0 || n / per_host < 2) continue;
+    context::HostMap hosts;
+    for (int r = 0; r < n; ++r) hosts.host_of_rank.push_back(r / per_host);
+    for (int h = 0; h < n / per_host; ++h) hosts.names.push_back("h" + std::to_string(h));
+    const train::LinkProbe probe = train::probe_links(*world, hosts, 1 << 16);
+    ASSERT_EQ(probe.host_seconds.size(), static_cast<size_t>(n / per_host));
+    for (double t : probe.host_seconds) EXPECT_TRUE(std::isfinite(t) && t > 0) << t;
+    at::Tensor mine = at::tensor(probe.host_seconds, at::kDouble);
+    at::Tensor high = mine.clone(), low = -mine;
+    world->all_reduce(high, {comm::ReduceOp::kMax});
+    world->all_reduce(low, {comm::ReduceOp::kMax});
+    EXPECT_TRUE(at::equal(high, -low)) << "ranks disagree on the hosts' times";
+  }
+  context::HostMap one;
+  one.host_of_rank.assign(static_cast<size_t>(n), 0);
+  one.names = {"h0"};
+  EXPECT_TRUE(test::throws_with([&] { train::probe_links(*world, one); }, "the run is on one host"));
 }
 
 }  // namespace

@@ -201,6 +201,9 @@ void data_options(cli::Command& c, RunOptions& r) {
   c.add("straggler-threshold", &r.straggler_threshold(), "name the slowest rank in the progress line when its "
         "compute exceeds the median rank's by this fraction of the step; 0: off");
   c.add("rank-times", &r.rank_times(), "every rank's compute and wait seconds per step in --metrics (\"ranks\" lines)");
+  c.add("link-probe-every", &r.link_probe_every(),
+        "on several hosts, steps between timed exchanges of 1 MiB between them; from 3 hosts on, a host whose "
+        "every exchange is over twice as slow as the median host's is named in the progress line; 0: never");
 }
 
 void planner_options(cli::Command& c, RunOptions& r) {
@@ -319,6 +322,7 @@ void RunOptions::check(int world_size) const {
     TORCH_CHECK(value >= 1, "--", name, " must be >= 1, got ", value);
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"sample", sample()},
                                     {"eval-every", eval_every()},
+                                    {"link-probe-every", link_probe_every()},
                                     {"save-every", save_every()}})
     TORCH_CHECK(value >= 0, "--", name, " must be >= 0 (0: never), got ", value);
   TORCH_CHECK(warmup() >= -1, "--warmup must be >= 0, got ", warmup());

@@ -106,6 +106,9 @@ struct RunOptions {
   // gathering); rank_times writes every rank's times to the metrics.
   TORCH_ARG(double, straggler_threshold) = 0.1;
   TORCH_ARG(bool, rank_times) = false;
+  // Note [Slow links] in link_probe.h: on several hosts, the links between
+  // them timed every this many steps (0: never); a slow one is named.
+  TORCH_ARG(int64_t, link_probe_every) = 10;
   // Planner (docs/planner.md).
   TORCH_ARG(PlanMode, plan) = PlanMode::kNone;
   TORCH_ARG(std::string, cluster) = "";
