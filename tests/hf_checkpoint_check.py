@@ -17,7 +17,7 @@
           architecture: a non-zero exit and the message on every rank.
 
 usage: hf_checkpoint_check.py ARCH WORK_DIR TRAIN_GPT HF_LOGITS LAUNCHER...
-  ARCH: gpt2, llama, mistral, qwen2, qwen3, mixtral; LAUNCHER: mpiexec and
+  ARCH: gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe; LAUNCHER: mpiexec and
   its flags (-np N is appended).
 """
 import io
@@ -54,6 +54,11 @@ CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=10000.0, head_dim=16, **COMMON),
     "mixtral": lambda: transformers.MixtralConfig(rms_norm_eps=1e-5, rope_theta=10000.0, num_local_experts=4,
                                                   num_experts_per_tok=2, sliding_window=None, **COMMON),
+    # Fine-grained experts at top 3, not renormalized, beside a gated shared expert.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False,
+                                                     num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                     shared_expert_intermediate_size=40, norm_topk_prob=False,
+                                                     **COMMON),
 }
 SEQ, BATCH = 16, 4
 

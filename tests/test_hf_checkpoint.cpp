@@ -277,6 +277,71 @@ TEST(HFCheckpoint, BadDirectoriesAndConfigsAreRefusedByName) {
   windowed.check_sequence(8);
 }
 
+// Qwen 2 MoE's config.json (as transformers 5 writes it): fine-grained
+// experts at top k, not renormalized, a gated shared expert, experts every
+// decoder_sparse_step-th block; what tessera cannot carry out is refused by
+// name. A model with a gated shared expert exports as Qwen 2 MoE.
+TEST(HFCheckpoint, Qwen2MoeConfigMapsItsExpertsAndRefusesWhatItCannotCarryOut) {
+  const nlohmann::json base = {{"architectures", {"Qwen2MoeForCausalLM"}},
+                               {"model_type", "qwen2_moe"},
+                               {"vocab_size", 101},
+                               {"hidden_size", 32},
+                               {"intermediate_size", 48},
+                               {"num_hidden_layers", 2},
+                               {"num_attention_heads", 4},
+                               {"num_key_value_heads", 2},
+                               {"hidden_act", "silu"},
+                               {"rms_norm_eps", 1e-6},
+                               {"rope_parameters", {{"rope_theta", 10000.0}, {"rope_type", "default"}}},
+                               {"use_sliding_window", false},
+                               {"sliding_window", 0},
+                               {"max_window_layers", 28},
+                               {"layer_types", {"full_attention", "full_attention"}},
+                               {"decoder_sparse_step", 1},
+                               {"moe_intermediate_size", 24},
+                               {"shared_expert_intermediate_size", 40},
+                               {"num_experts_per_tok", 3},
+                               {"num_experts", 6},
+                               {"norm_topk_prob", false},
+                               {"output_router_logits", false},
+                               {"router_aux_loss_coef", 0.001},
+                               {"mlp_only_layers", nlohmann::json::array()},
+                               {"qkv_bias", true}};
+  auto with = [&](const std::string& key, const nlohmann::json& value) {
+    nlohmann::json j = base;
+    j[key] = value;
+    return j.dump();
+  };
+  const models::HFConfig read = models::hf_config_from_json(base.dump(), "config.json");
+  const models::GPTConfig& c = read.model;
+  EXPECT_EQ(read.architecture, models::HFArchitecture::kQwen2Moe);
+  EXPECT_EQ(c.experts(), 6);
+  EXPECT_EQ(c.top_k(), 3);
+  EXPECT_FALSE(c.renormalize());
+  EXPECT_EQ(c.ffn(), 24) << "the experts' width";
+  EXPECT_EQ(c.shared_expert_ffn(), 40);
+  EXPECT_TRUE(c.shared_expert_gate());
+  EXPECT_TRUE(c.qkv_bias());
+  EXPECT_EQ(c.moe_every(), 1);
+  EXPECT_EQ(models::hf_architecture_for(c), models::HFArchitecture::kQwen2Moe);
+  const auto table = models::hf_table(models::HFArchitecture::kQwen2Moe, c);
+  EXPECT_EQ(table.at("h.1.mlp.shared_expert_gate.weight").parts.at(0).name,
+            "model.layers.1.mlp.shared_expert_gate.weight");
+  EXPECT_EQ(table.at("h.0.mlp.c_fc.weight").parts.at(5).name, "model.layers.0.mlp.experts.5.up_proj.weight");
+  nlohmann::json every_other = base;
+  every_other["decoder_sparse_step"] = 2;
+  every_other["intermediate_size"] = 24;
+  EXPECT_EQ(models::hf_config_from_json(every_other.dump(), "config.json").model.moe_every(), 2);
+  EXPECT_TRUE(test::throws_with([&] { models::hf_config_from_json(with("decoder_sparse_step", 2), "config.json"); },
+                                "\"decoder_sparse_step\" is 2, so dense blocks of width intermediate_size (48)"));
+  EXPECT_TRUE(test::throws_with([&] { models::hf_config_from_json(with("mlp_only_layers", {1}), "config.json"); },
+                                "\"mlp_only_layers\" is [1]"));
+  EXPECT_TRUE(test::throws_with([&] { models::hf_config_from_json(with("qkv_bias", false), "config.json"); },
+                                "\"qkv_bias\" is false"));
+  EXPECT_TRUE(test::throws_with([&] { models::hf_config_from_json(with("num_experts", nullptr), "config.json"); },
+                                "needs \"num_experts\""));
+}
+
 // Token files with tokenize.py's metadata: the declared dtype and vocabulary;
 // an id beyond it refused.
 TEST(TokenMetadata, DeclaredVocabularyAndDtypeAreReadAndChecked) {

@@ -26,7 +26,8 @@ constexpr Known kKnown[] = {{HFArchitecture::kGPT2, "GPT2LMHeadModel", "gpt2"},
                             {HFArchitecture::kMistral, "MistralForCausalLM", "mistral"},
                             {HFArchitecture::kQwen2, "Qwen2ForCausalLM", "qwen2"},
                             {HFArchitecture::kQwen3, "Qwen3ForCausalLM", "qwen3"},
-                            {HFArchitecture::kMixtral, "MixtralForCausalLM", "mixtral"}};
+                            {HFArchitecture::kMixtral, "MixtralForCausalLM", "mixtral"},
+                            {HFArchitecture::kQwen2Moe, "Qwen2MoeForCausalLM", "qwen2_moe"}};
 
 const Known& known(HFArchitecture a) {
   for (const auto& k : kKnown)
@@ -169,7 +170,7 @@ HFConfig llama_family(const Json& j, HFArchitecture a, const std::string& where)
   const std::string arch = known(a).name;
   Keys keys(j, where, arch);
   GPTConfig c;
-  const bool mixtral = a == HFArchitecture::kMixtral;
+  const bool mixtral = a == HFArchitecture::kMixtral, qwen2_moe = a == HFArchitecture::kQwen2Moe;
   c.norm(nn::NormKind::kRMSNorm).positions(Positions::kRotary).mlp(nn::MLPKind::kSwiGLU).bias(false).qkv_bias(false);
   c.vocab(keys.required<int64_t>("vocab_size")).hidden(keys.required<int64_t>("hidden_size"));
   c.ffn(keys.required<int64_t>("intermediate_size")).layers(keys.required<int64_t>("num_hidden_layers"));
@@ -183,13 +184,38 @@ HFConfig llama_family(const Json& j, HFArchitecture a, const std::string& where)
   read_rope(keys, j, c, mixtral ? 1e6 : 10000.0);
   HFConfig out;
   out.architecture = a;
-  out.sliding_window = read_window(keys, a == HFArchitecture::kQwen2 || a == HFArchitecture::kQwen3);
+  out.sliding_window = read_window(keys, a == HFArchitecture::kQwen2 || a == HFArchitecture::kQwen3 || qwen2_moe);
   if (a == HFArchitecture::kLlama) {
     keys.must_be<bool>("attention_bias", false, "biases on q, k, v and o; tessera's q/k/v biases are Qwen 2's and "
                                                 "o_proj has none");
     keys.must_be<bool>("mlp_bias", false, "the MLP has no biases");
   }
   if (a == HFArchitecture::kQwen2) c.qkv_bias(true);
+  if (qwen2_moe) {
+    // Experts every decoder_sparse_step-th block, as moe_every; the experts'
+    // width moe_intermediate_size is the config's ffn, so the dense blocks
+    // between them (intermediate_size) must have the same width.
+    keys.must_be<bool>("qkv_bias", true, "Qwen 2 MoE's q, k and v have biases");
+    c.qkv_bias(true);
+    const int64_t every = keys.value<int64_t>("decoder_sparse_step", 1);
+    const int64_t expert_ffn = keys.required<int64_t>("moe_intermediate_size");
+    TORCH_CHECK(every == 1 || expert_ffn == c.ffn(), keys.where(), ": \"decoder_sparse_step\" is ", every,
+                ", so dense blocks of width intermediate_size (", c.ffn(),
+                ") sit between expert blocks of width "
+                "moe_intermediate_size (",
+                expert_ffn,
+                "); tessera's blocks share one width: use equal widths or a "
+                "step of 1");
+    const Json* only = keys.get("mlp_only_layers");
+    TORCH_CHECK(only == nullptr || (only->is_array() && only->empty()), keys.where(), ": \"mlp_only_layers\" is ",
+                only == nullptr ? "" : only->dump(), "; tessera places experts by decoder_sparse_step alone");
+    c.ffn(expert_ffn).moe_every(every);
+    c.experts(keys.required<int64_t>("num_experts")).top_k(keys.value<int64_t>("num_experts_per_tok", 4));
+    c.renormalize(keys.value<bool>("norm_topk_prob", false));
+    c.shared_expert_ffn(keys.value<int64_t>("shared_expert_intermediate_size", 0));
+    c.shared_expert_gate(c.shared_expert_ffn() > 0);
+    c.aux_loss_coef(keys.value<double>("router_aux_loss_coef", 0.001)).z_loss_coef(0);
+  }
   if (a == HFArchitecture::kQwen3) {
     c.qk_norm(true);
     keys.must_be<bool>("attention_bias", false, "Qwen 3's attention has no biases in tessera");
@@ -256,9 +282,13 @@ HFArchitecture hf_architecture_for(const GPTConfig& c) {
               "): GPT-2 is LayerNorm, learned positions, GELU and biases; the Llama family RMSNorm, rotary positions, "
               "SwiGLU and no biases on o_proj and the MLP");
   if (c.experts() > 0) {
+    // Qwen 2 MoE: q/k/v biases, a gated shared expert or none.
+    if (c.qkv_bias() && !c.qk_norm() && (c.shared_expert_ffn() == 0 || c.shared_expert_gate()))
+      return HFArchitecture::kQwen2Moe;
     TORCH_CHECK(!c.qkv_bias() && !c.qk_norm() && c.moe_every() == 1 && c.renormalize() && c.shared_expert_ffn() == 0,
-                "MixtralForCausalLM has experts in every block, renormalized top-k, no shared experts and no q/k/v "
-                "biases or q/k norms (tessera maps no Hugging Face family with shared experts yet)");
+                "no Hugging Face architecture expresses these experts: MixtralForCausalLM has experts in every block, "
+                "renormalized top-k, no shared experts and no q/k/v biases or q/k norms; Qwen2MoeForCausalLM has "
+                "q/k/v biases and a gated shared expert or none");
     return HFArchitecture::kMixtral;
   }
   TORCH_CHECK(!(c.qkv_bias() && c.qk_norm()), "no Hugging Face architecture has both q/k/v biases and q/k norms");
@@ -359,6 +389,12 @@ std::string hf_config_json(HFArchitecture a, const GPTConfig& c, const std::stri
         j["num_local_experts"] = c.experts(), j["num_experts_per_tok"] = c.top_k();
         j["router_aux_loss_coef"] = c.aux_loss_coef();
       }
+      if (a == HFArchitecture::kQwen2Moe) {
+        j["num_experts"] = c.experts(), j["num_experts_per_tok"] = c.top_k(), j["norm_topk_prob"] = c.renormalize();
+        j["moe_intermediate_size"] = c.ffn_size(), j["decoder_sparse_step"] = c.moe_every();
+        j["shared_expert_intermediate_size"] = c.shared_expert_ffn(), j["mlp_only_layers"] = Json::array();
+        j["router_aux_loss_coef"] = c.aux_loss_coef(), j["qkv_bias"] = true;
+      }
       if (a == HFArchitecture::kLlama) j["attention_bias"] = false, j["mlp_bias"] = false;
       if (a == HFArchitecture::kQwen3) j["attention_bias"] = false;
     }
@@ -449,10 +485,14 @@ void llama_qkv(Table& t, const GPTConfig& c, const std::string& tp, const std::s
   t[tp + "attn.c_attn." + kind] = std::move(e);
 }
 
-// Mixtral's experts: expert e's w1 / w3 / w2 is row e of c_gate / c_fc / c_proj.
-void mixtral_experts(Table& t, const GPTConfig& c, const std::string& tp, const std::string& hp) {
+// The experts of one block: expert e's gate / up / down matrix is row e of
+// c_gate / c_fc / c_proj. Mixtral names them block_sparse_moe.experts.e.w1,
+// w3, w2; Qwen 2 MoE mlp.experts.e.gate_proj, up_proj, down_proj, beside
+// its shared expert (an MLP of those names) and the shared expert's gate.
+void moe_experts(Table& t, HFArchitecture a, const GPTConfig& c, const std::string& tp, const std::string& hp) {
   const int64_t h = c.hidden(), f = c.ffn_size();
-  const std::string moe = hp + "block_sparse_moe.";
+  const bool mixtral = a == HFArchitecture::kMixtral;
+  const std::string moe = hp + (mixtral ? "block_sparse_moe." : "mlp.");
   renamed(t, tp + "mlp.router.weight", moe + "gate.weight", {c.experts(), h});
   auto experts = [&](const std::string& name, const char* w, int64_t out, int64_t in) {
     HFEntry e{{c.experts(), out, in}, {}};
@@ -461,12 +501,20 @@ void mixtral_experts(Table& t, const GPTConfig& c, const std::string& tp, const 
                                {0, 0}});
     t[name] = std::move(e);
   };
-  experts(tp + "mlp.c_gate.weight", "w1", f, h);
-  experts(tp + "mlp.c_fc.weight", "w3", f, h);
-  experts(tp + "mlp.c_proj.weight", "w2", h, f);
+  experts(tp + "mlp.c_gate.weight", mixtral ? "w1" : "gate_proj", f, h);
+  experts(tp + "mlp.c_fc.weight", mixtral ? "w3" : "up_proj", f, h);
+  experts(tp + "mlp.c_proj.weight", mixtral ? "w2" : "down_proj", h, f);
+  if (c.shared_expert_ffn() > 0) {
+    const int64_t s = c.shared_expert_ffn();
+    renamed(t, tp + "mlp.shared_expert.c_gate.weight", moe + "shared_expert.gate_proj.weight", {s, h});
+    renamed(t, tp + "mlp.shared_expert.c_fc.weight", moe + "shared_expert.up_proj.weight", {s, h});
+    renamed(t, tp + "mlp.shared_expert.c_proj.weight", moe + "shared_expert.down_proj.weight", {h, s});
+    if (c.shared_expert_gate())
+      renamed(t, tp + "mlp.shared_expert_gate.weight", moe + "shared_expert_gate.weight", {1, h});
+  }
 }
 
-void llama_table(Table& t, const GPTConfig& c) {
+void llama_table(Table& t, HFArchitecture a, const GPTConfig& c) {
   const int64_t h = c.hidden(), heads = c.heads(), d = c.dim_per_head(), f = c.ffn_size();
   renamed(t, "wte.weight", "model.embed_tokens.weight", {c.vocab(), h});
   renamed(t, "ln_f.weight", "model.norm.weight", {h});
@@ -483,7 +531,7 @@ void llama_table(Table& t, const GPTConfig& c) {
     llama_qkv(t, c, tp, hp, "weight");
     if (c.qkv_bias()) llama_qkv(t, c, tp, hp, "bias");
     if (c.moe_block(i)) {
-      mixtral_experts(t, c, tp, hp);
+      moe_experts(t, a, c, tp, hp);
     } else {
       renamed(t, tp + "mlp.c_gate.weight", hp + "mlp.gate_proj.weight", {f, h});
       renamed(t, tp + "mlp.c_fc.weight", hp + "mlp.up_proj.weight", {f, h});
@@ -499,7 +547,7 @@ std::map<std::string, HFEntry> hf_table(HFArchitecture a, const GPTConfig& c, co
   if (a == HFArchitecture::kGPT2)
     gpt2_table(t, c, gpt2_prefix);
   else
-    llama_table(t, c);
+    llama_table(t, a, c);
   return t;
 }
 

@@ -29,7 +29,7 @@
 namespace tessera {
 namespace models {
 
-enum class HFArchitecture { kGPT2, kLlama, kMistral, kQwen2, kQwen3, kMixtral };
+enum class HFArchitecture { kGPT2, kLlama, kMistral, kQwen2, kQwen3, kMixtral, kQwen2Moe };
 
 // "LlamaForCausalLM", ...
 std::string hf_architecture_name(HFArchitecture architecture);
