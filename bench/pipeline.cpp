@@ -113,8 +113,9 @@ int run(const Args& a, tessera::context::ParallelConfig grid, const tessera::cli
                                                 : tessera::parallel::PartitionMethod::kParameterCount;
   for (const std::string& name : schedules) {
     const ScheduleKind kind = tessera::parallel::parse_schedule_kind(name);
-    const bool v = kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
-    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks) : v ? 2 : 1;
+    const int chunks = kind == ScheduleKind::kInterleaved1F1B ? static_cast<int>(a.chunks)
+                       : tessera::parallel::runs_in_a_v(kind) ? 2
+                                                              : 1;
     torch::manual_seed(1);
     tessera::models::GPT gpt(gpt_config(a), tessera::nn::make_layer_factory(ctx));
     PipelineExecutor pipe(

@@ -151,9 +151,8 @@ int train_loop(train::RunOptions options, const std::shared_ptr<comm::TracingCom
                             st.straggler_lag > options.straggler_threshold() * st.seconds;
     if (st.step % options.log_every() == 0 || st.step == options.steps())
       log.print(fmt::format(
-          "step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | comm "
-          "{}/step/rank "
-          "| {:.0f} ms{}{}{}{}",
+          "step {:4d}/{}{} | loss {:.4f} | lr {:.2e} | {:7.0f} tok/s | MFU {:4.1f}% | state {}/rank | "
+          "comm {}/step/rank | {:.0f} ms{}{}{}{}",
           st.step, options.steps(), options.elastic() ? fmt::format(" | {} | batch {}", run.layout_name(), batch) : "",
           st.loss, st.lr, tokens_per_s, 100 * mfu, human_bytes(state), human_bytes(comm_bytes), 1000 * st.seconds,
           cfg.experts() > 0 ? fmt::format(" | experts max/mean {:.2f}, aux {:.4f}, dropped {:.0f}", moe.max_over_mean,

@@ -340,6 +340,13 @@ TEST(HFCheckpoint, Qwen2MoeConfigMapsItsExpertsAndRefusesWhatItCannotCarryOut) {
                                 "\"qkv_bias\" is false"));
   EXPECT_TRUE(test::throws_with([&] { models::hf_config_from_json(with("num_experts", nullptr), "config.json"); },
                                 "needs \"num_experts\""));
+  EXPECT_TRUE(
+      test::throws_with([&] { models::hf_config_from_json(with("shared_expert_intermediate_size", 0), "config.json"); },
+                        "\"shared_expert_intermediate_size\" is 0; Qwen 2 MoE's shared expert needs a positive width"));
+  // Experts with q/k/v biases but no shared expert: no architecture has them.
+  EXPECT_TRUE(test::throws_with(
+      [&] { models::hf_architecture_for(models::GPTConfig(c).shared_expert_ffn(0).shared_expert_gate(false)); },
+      "no Hugging Face architecture expresses these experts"));
 }
 
 // Token files with tokenize.py's metadata: the declared dtype and vocabulary;

@@ -200,11 +200,8 @@ HFConfig llama_family(const Json& j, HFArchitecture a, const std::string& where)
     const int64_t every = keys.value<int64_t>("decoder_sparse_step", 1);
     const int64_t expert_ffn = keys.required<int64_t>("moe_intermediate_size");
     TORCH_CHECK(every == 1 || expert_ffn == c.ffn(), keys.where(), ": \"decoder_sparse_step\" is ", every,
-                ", so dense blocks of width intermediate_size (", c.ffn(),
-                ") sit between expert blocks of width "
-                "moe_intermediate_size (",
-                expert_ffn,
-                "); tessera's blocks share one width: use equal widths or a "
+                ", so dense blocks of width intermediate_size (", c.ffn(), ") sit between expert blocks of width ",
+                "moe_intermediate_size (", expert_ffn, "); tessera's blocks share one width: use equal widths or a ",
                 "step of 1");
     const Json* only = keys.get("mlp_only_layers");
     TORCH_CHECK(only == nullptr || (only->is_array() && only->empty()), keys.where(), ": \"mlp_only_layers\" is ",
@@ -212,8 +209,10 @@ HFConfig llama_family(const Json& j, HFArchitecture a, const std::string& where)
     c.ffn(expert_ffn).moe_every(every);
     c.experts(keys.required<int64_t>("num_experts")).top_k(keys.value<int64_t>("num_experts_per_tok", 4));
     c.renormalize(keys.value<bool>("norm_topk_prob", false));
-    c.shared_expert_ffn(keys.value<int64_t>("shared_expert_intermediate_size", 0));
-    c.shared_expert_gate(c.shared_expert_ffn() > 0);
+    // The block always has its gated shared expert (transformers builds one of any width).
+    c.shared_expert_ffn(keys.required<int64_t>("shared_expert_intermediate_size")).shared_expert_gate(true);
+    TORCH_CHECK(c.shared_expert_ffn() > 0, keys.where(), ": \"shared_expert_intermediate_size\" is ",
+                c.shared_expert_ffn(), "; Qwen 2 MoE's shared expert needs a positive width");
     c.aux_loss_coef(keys.value<double>("router_aux_loss_coef", 0.001)).z_loss_coef(0);
   }
   if (a == HFArchitecture::kQwen3) {
@@ -282,13 +281,13 @@ HFArchitecture hf_architecture_for(const GPTConfig& c) {
               "): GPT-2 is LayerNorm, learned positions, GELU and biases; the Llama family RMSNorm, rotary positions, "
               "SwiGLU and no biases on o_proj and the MLP");
   if (c.experts() > 0) {
-    // Qwen 2 MoE: q/k/v biases, a gated shared expert or none.
-    if (c.qkv_bias() && !c.qk_norm() && (c.shared_expert_ffn() == 0 || c.shared_expert_gate()))
+    // Qwen 2 MoE: q/k/v biases and a gated shared expert.
+    if (c.qkv_bias() && !c.qk_norm() && c.shared_expert_ffn() > 0 && c.shared_expert_gate())
       return HFArchitecture::kQwen2Moe;
     TORCH_CHECK(!c.qkv_bias() && !c.qk_norm() && c.moe_every() == 1 && c.renormalize() && c.shared_expert_ffn() == 0,
                 "no Hugging Face architecture expresses these experts: MixtralForCausalLM has experts in every block, "
                 "renormalized top-k, no shared experts and no q/k/v biases or q/k norms; Qwen2MoeForCausalLM has "
-                "q/k/v biases and a gated shared expert or none");
+                "q/k/v biases and a gated shared expert");
     return HFArchitecture::kMixtral;
   }
   TORCH_CHECK(!(c.qkv_bias() && c.qk_norm()), "no Hugging Face architecture has both q/k/v biases and q/k norms");

@@ -352,6 +352,8 @@ std::string to_string(ScheduleKind kind) {
   return "?";
 }
 
+bool runs_in_a_v(ScheduleKind kind) { return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV; }
+
 std::string Schedule::to_string(bool communication) const {
   std::ostringstream os;
   for (int r = 0; r < pp; ++r) {
@@ -371,7 +373,7 @@ Schedule make_schedule(ScheduleKind kind, int pp, int microbatches, int chunks) 
   if (kind == ScheduleKind::kInterleaved1F1B) {
     TORCH_CHECK(chunks >= 2, "pipeline schedule interleaved needs chunks (stages per rank) >= 2, got ", chunks,
                 "; with one chunk per rank use 1f1b");
-  } else if (kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV) {
+  } else if (runs_in_a_v(kind)) {
     TORCH_CHECK(chunks == 2, "pipeline schedule ", name,
                 " runs two chunks (stages) per rank in a V, got chunks = ", chunks, "; set chunks 2");
   } else {

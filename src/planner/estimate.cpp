@@ -61,9 +61,8 @@ void check_plan(const ModelDesc& model, const Plan& plan) {
   TORCH_CHECK(plan.replica_batch() % plan.micro_batches == 0, "plan: ", plan.replica_batch(),
               " sequences per replica do not split into ", plan.micro_batches, " micro-batches");
   TORCH_CHECK(plan.offload != parallel::Offload::kDisk, "plan: the planner does not model disk offload");
-  const bool v =
-      plan.schedule == parallel::ScheduleKind::kZeroBubbleV || plan.schedule == parallel::ScheduleKind::kDualPipeV;
-  TORCH_CHECK(!v || plan.chunks == 2, "plan: the ", parallel::to_string(plan.schedule),
+  TORCH_CHECK(!parallel::runs_in_a_v(plan.schedule) || plan.chunks == 2, "plan: the ",
+              parallel::to_string(plan.schedule),
               " schedule runs two chunks per rank in a V, got chunks = ", plan.chunks, "; set chunks 2");
   TORCH_CHECK(plan.schedule != parallel::ScheduleKind::kDualPipeV || plan.micro_batches >= 2 * c.pipeline(),
               "plan: dualpipev needs at least ", 2 * c.pipeline(), " micro-batches for pp ", c.pipeline(), ", got ",

@@ -11,8 +11,7 @@ int Plan::world() const { return grid.data() * grid.pipeline() * grid.tensor() *
 
 int Plan::pipeline_rank_of(int stage) const {
   const int pp = grid.pipeline();
-  const bool v = schedule == parallel::ScheduleKind::kZeroBubbleV || schedule == parallel::ScheduleKind::kDualPipeV;
-  return v && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
+  return parallel::runs_in_a_v(schedule) && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
 }
 
 int64_t Plan::replica_batch() const {

@@ -140,11 +140,7 @@ SearchResult search(const ModelDesc& model, const ClusterDesc& cluster, const Se
               plan.global_batch = options.global_batch();
               plan.micro_batches = m;
               plan.schedule = kind;
-              plan.chunks = kind == parallel::ScheduleKind::kInterleaved1F1B ||
-                                    kind == parallel::ScheduleKind::kZeroBubbleV ||
-                                    kind == parallel::ScheduleKind::kDualPipeV
-                                ? 2
-                                : 1;
+              plan.chunks = kind == parallel::ScheduleKind::kInterleaved1F1B || parallel::runs_in_a_v(kind) ? 2 : 1;
               plan.checkpoint_activations = ckpt;
               plan.offload = offload ? parallel::Offload::kHost : parallel::Offload::kNone;
               plan.bf16 = options.bf16();

@@ -72,6 +72,8 @@ enum class ScheduleKind {
 // (also "interleaved-1f1b", "zbh1", "zbh2", "zbv", "dualpipe-v").
 ScheduleKind parse_schedule_kind(const std::string& text);
 std::string to_string(ScheduleKind kind);
+// zb-v and dualpipev: two chunks per rank in a V (Note [Pipeline stages and messages]).
+bool runs_in_a_v(ScheduleKind kind);
 
 struct Schedule {
   std::string name;
