@@ -9,6 +9,7 @@
 #include "test_util.h"
 
 #include "reference_gpt.h"
+#include "support/counting_allocator.h"
 
 #include "tessera/context/parallel_context.h"
 #include "tessera/models/gpt.h"
@@ -292,11 +293,12 @@ TEST(PipelineComposition, DataPipelineTensorParallelGPTEqualsSerial) {
       std::map<std::string, at::Tensor> full;
       {
         auto gathered = sharded->full_params();
-        full = gpt->full_state();
+        // This rank's stages only: the others' layers were released (Note [Other stages released]).
+        for (const auto& [key, placement] : gpt->placements())
+          if (in_layers(key, names)) full[key] = nn::full_value(placement);
       }
       int compared = 0;
       for (const auto& [key, value] : full) {
-        if (!in_layers(key, names)) continue;
         EXPECT_LE(test::rel_error(value, expected.at(key)), kTolerance) << key << " " << when;
         ++compared;
       }
@@ -478,6 +480,48 @@ TEST(PipelineMessages, LargeActivationsUnderEverySchedule) {
       ASSERT_TRUE(g.defined()) << "layer " << i;
       EXPECT_LE(test::rel_error(g, serial[i].grad()), kTolerance) << "layer " << i;
     }
+  }
+}
+
+// Note [Other stages released]: a pipeline rank keeps only its stages'
+// parameters. The counting allocator sees the other layers' bytes go, the
+// local layers keep every element, and reading a released one is refused.
+TEST(PipelineMemory, OtherStagesAreReleased) {
+  const int p = test::world()->size();
+  if (p == 1 || p > 4) GTEST_SKIP() << "runs at 2 to 4 ranks";
+  if (!test::device().is_cpu()) GTEST_SKIP() << "counts CPU allocations";
+  auto ctx = pipeline_context();
+  auto& counter = test::CountingAllocator::instance();
+  test::CountingScope scope;
+  torch::manual_seed(7);
+  models::GPT gpt(config(), factory(ctx->comm(context::ParallelMode::kTensor)));
+  std::map<const c10::TensorImpl*, int64_t> bytes;  // every parameter and buffer of the whole model
+  for (const auto& t : gpt->parameters()) bytes[t.unsafeGetTensorImpl()] = static_cast<int64_t>(t.nbytes());
+  for (const auto& t : gpt->buffers()) bytes[t.unsafeGetTensorImpl()] = static_cast<int64_t>(t.nbytes());
+  const int64_t before = counter.live();
+  PipelineExecutor pipe(
+      gpt->as_sequential(), ctx, [&](const at::Tensor& out, const at::Tensor& y) { return gpt->loss(out, y); },
+      PipelineOptions().microbatches(2));
+  const int64_t released = before - counter.live();
+  std::set<const c10::TensorImpl*> local;
+  for (const auto& [name, layer] : pipe.local_layers()) {
+    for (const auto& t : layer->parameters()) local.insert(t.unsafeGetTensorImpl());
+    for (const auto& t : layer->buffers()) local.insert(t.unsafeGetTensorImpl());
+  }
+  int64_t others = 0;
+  for (const auto& [impl, n] : bytes)
+    if (!local.count(impl)) others += n;
+  ASSERT_GT(others, 0);
+  EXPECT_NEAR(static_cast<double>(released), static_cast<double>(others), 1024.0)
+      << "bytes freed by the executor against the other stages' parameters and buffers";
+  for (const auto& t : gpt->parameters())
+    EXPECT_EQ(t.numel() > 0, local.count(t.unsafeGetTensorImpl()) > 0) << "a parameter of shape " << t.sizes();
+  // A train step still runs (the tied head's copy of the embedding kept on the last stage).
+  EXPECT_TRUE(std::isfinite(pipe.run(ids(4, 1), ids(4, 2))));
+  for (const auto& [name, placement] : gpt->placements()) {
+    if (local.count(placement.param.unsafeGetTensorImpl())) continue;
+    EXPECT_ERROR_CONTAINS(nn::full_value(placement), "belongs to another pipeline rank's stage and was released");
+    break;
   }
 }
 

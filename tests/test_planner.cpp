@@ -501,7 +501,17 @@ struct MemoryCase {
   int64_t micro_batches = 1;
   bool checkpoint = false;
   int64_t layers = 2, hidden = 64, heads = 4, seq = 32, vocab = 101, batch = 16;
+  parallel::ScheduleKind schedule = parallel::ScheduleKind::k1F1B;
+  int chunks = 1;
 };
+
+// Two stages per rank in a V (4 layers at pp 2: the embedding, two blocks, the head).
+MemoryCase v_case(std::string name, parallel::ScheduleKind kind) {
+  MemoryCase c{std::move(name), ParallelConfig().pipeline(2), "ddp", 4};
+  c.schedule = kind;
+  c.chunks = 2;
+  return c;
+}
 
 TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
   auto world = test::world();
@@ -518,6 +528,8 @@ TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
       {"pp2_checkpointed", ParallelConfig().pipeline(2), "ddp", 4, true},
       {"sp2_ulysses", ParallelConfig().sequence(2)},
       {"sp2_ring", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kRing)},
+      v_case("pp2_zb_v", parallel::ScheduleKind::kZeroBubbleV),
+      v_case("pp2_dualpipev", parallel::ScheduleKind::kDualPipeV),
   };
   int ran = 0;
   for (const MemoryCase& c : cases) {
@@ -555,7 +567,10 @@ TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
       };
       auto options = train::TrainerOptions().spec(parallel::ShardingSpec::parse(c.spec));
       if (resolved.pipeline() > 1)
-        options.pipeline(parallel::PipelineOptions().microbatches(static_cast<int>(c.micro_batches)));
+        options.pipeline(parallel::PipelineOptions()
+                             .microbatches(static_cast<int>(c.micro_batches))
+                             .schedule(c.schedule)
+                             .chunks(c.chunks));
       else
         options.accumulation(c.micro_batches);
       train::Trainer trainer(ctx, train::gpt_train_model(gpt), make, options);
@@ -571,6 +586,8 @@ TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
     plan.global_batch = c.batch;
     plan.micro_batches = c.micro_batches;
     plan.checkpoint_activations = c.checkpoint;
+    plan.schedule = c.schedule;
+    plan.chunks = c.chunks;
     const planner::MemoryEstimate mem =
         planner::predict_memory(planner::ModelDesc::gpt(g, c.seq), plan, world->rank());
     const std::string line = fmt::format(

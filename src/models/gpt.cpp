@@ -371,6 +371,22 @@ class GPTHeadImpl : public torch::nn::Module {
 
 }  // namespace
 
+namespace {
+
+// Module names -> GPT-2's: "h3.c_attn.weight" -> "h.3.attn.c_attn.weight"
+// (Note [GPT full weights]).
+std::string gpt2_name(const std::string& name) {
+  if (name.size() < 2 || name[0] != 'h' || !std::isdigit(static_cast<unsigned char>(name[1]))) return name;
+  const auto dot = name.find('.');
+  std::string rest = name.substr(dot + 1);
+  for (const char* attn : {"c_attn.", "q_proj.", "kv_proj.", "q_norm.", "k_norm."})
+    if (rest.rfind(attn, 0) == 0) rest = "attn." + rest;
+  if (rest.rfind("attn_proj.", 0) == 0) rest = "attn.c_proj." + rest.substr(10);
+  return "h." + name.substr(1, dot - 1) + "." + rest;
+}
+
+}  // namespace
+
 GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> factory)
     : config_(config), factory_(std::move(factory)) {
   TORCH_CHECK(factory_ != nullptr, "GPT needs a layer factory");
@@ -397,6 +413,10 @@ GPTImpl::GPTImpl(const GPTConfig& config, std::shared_ptr<nn::LayerFactory> fact
     lm_head_ = f.vocab_embedding(config_.vocab(), config_.hidden());
     register_module("lm_head", lm_head_.ptr());
   }
+  // Taken once, from the shapes as built: a pipeline rank later empties the
+  // layers it does not run (Note [Other stages released]).
+  placements_ = factory_->placements(*this);
+  for (auto& entry : placements_) entry.first = gpt2_name(entry.first);
   reset_parameters();
 }
 
@@ -495,27 +515,7 @@ std::map<std::string, at::Tensor> GPTImpl::full_state(bool gradients) {
   return state;
 }
 
-namespace {
-
-// Module names -> GPT-2's: "h3.c_attn.weight" -> "h.3.attn.c_attn.weight"
-// (Note [GPT full weights]).
-std::string gpt2_name(const std::string& name) {
-  if (name.size() < 2 || name[0] != 'h' || !std::isdigit(static_cast<unsigned char>(name[1]))) return name;
-  const auto dot = name.find('.');
-  std::string rest = name.substr(dot + 1);
-  for (const char* attn : {"c_attn.", "q_proj.", "kv_proj.", "q_norm.", "k_norm."})
-    if (rest.rfind(attn, 0) == 0) rest = "attn." + rest;
-  if (rest.rfind("attn_proj.", 0) == 0) rest = "attn.c_proj." + rest.substr(10);
-  return "h." + name.substr(1, dot - 1) + "." + rest;
-}
-
-}  // namespace
-
-nn::NamedPlacements GPTImpl::placements() {
-  nn::NamedPlacements out = factory_->placements(*this);
-  for (auto& entry : out) entry.first = gpt2_name(entry.first);
-  return out;
-}
+nn::NamedPlacements GPTImpl::placements() { return placements_; }
 
 }  // namespace models
 }  // namespace tessera

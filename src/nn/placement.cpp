@@ -109,7 +109,22 @@ ParamPlacement sharded_placement(const at::Tensor& param, int64_t dim, int64_t f
   return replicated_placement(param).shard(axis, group, dim, full_size);
 }
 
+namespace {
+
+// A parameter emptied on this rank (Note [Other stages released]) cannot be read or written here.
+void check_held(const ParamPlacement& p, const char* what) {
+  int64_t held = 1;
+  for (int64_t n : p.length) held *= n;
+  TORCH_CHECK(held == 0 || p.param.numel() > 0, what, ": this rank holds no data of a parameter of full shape ",
+              c10::IntArrayRef(p.full_shape),
+              ": its layer belongs to another pipeline rank's stage and was released here (PipelineExecutor); "
+              "read or load it on the rank that runs the stage, or through a checkpoint");
+}
+
+}  // namespace
+
 void load_full(const ParamPlacement& p, const at::Tensor& full) {
+  check_held(p, "load_full");
   TORCH_CHECK(full.sizes().vec() == p.full_shape, "load_full: a tensor of shape ", full.sizes(), " given, ",
               c10::IntArrayRef(p.full_shape), " expected");
   at::NoGradGuard no_grad;
@@ -135,6 +150,7 @@ at::Tensor gather_full(const ParamPlacement& p, const at::Tensor& local) {
 }
 
 at::Tensor full_value(const ParamPlacement& p, bool gradients) {
+  check_held(p, "full_value");
   if (!gradients) return gather_full(p, p.param);
   const at::Tensor g = p.param.grad();
   return gather_full(p, g.defined() ? g : at::zeros_like(p.param));

@@ -112,6 +112,34 @@ struct PipelineExecutor::Impl {
   void exchange(std::vector<Message>& messages, bool sends_apart, comm::Communicator& payload_group);
 };
 
+namespace {
+
+// Note [Other stages released]
+// Every pipeline rank builds the whole model (the same layers and initial
+// values), but runs only its stages. The parameters and buffers of the
+// other layers are released here: set_data swaps each one's storage for an
+// empty tensor, so the module tree, the names and the tensors' identities
+// stay and only the memory goes. A weight shared with a local layer (the
+// tied embedding on the last stage) is kept. Without this a pipeline rank
+// held a whole model's parameters beside its stages' gradients and
+// optimizer states.
+void release_other_stages(torch::nn::Sequential& model, const std::map<int, torch::nn::Sequential>& local) {
+  std::set<const c10::TensorImpl*> kept;
+  for (const auto& [stage, chunk] : local) {
+    for (const auto& p : chunk->parameters()) kept.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : chunk->buffers()) kept.insert(b.unsafeGetTensorImpl());
+  }
+  auto release = [&](at::Tensor t) {
+    if (!t.defined() || kept.count(t.unsafeGetTensorImpl()) || t.numel() == 0) return;
+    t.mutable_grad() = at::Tensor();
+    t.set_data(at::empty({0}, t.options()));
+  };
+  for (const auto& p : model->parameters()) release(p);
+  for (const auto& b : model->buffers()) release(b);
+}
+
+}  // namespace
+
 PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx,
                                    PipelineLossFn loss, PipelineOptions options)
     : options_(std::move(options)), loss_(std::move(loss)), impl_(std::make_unique<Impl>()) {
@@ -185,6 +213,7 @@ PipelineExecutor::PipelineExecutor(torch::nn::Sequential model, const context::P
     impl_->device = p.device();
     break;
   }
+  release_other_stages(model, chunks_);
   impl_->control = group_->control();
   // The generators' messages pair without tags (Note [Pipeline message batches]).
   bool completes = true;

@@ -33,8 +33,9 @@ class Simulator {
     Simulation sim;
     sim.busy.assign(s_.pp, 0.0);
     sim.peak_inflight.assign(s_.pp, 0);
+    sim.peak_inflight_stage.assign(s_.stages(), 0);
     sim.timeline.assign(s_.pp, {});
-    std::vector<int> inflight(s_.pp, 0);
+    std::vector<int> inflight(s_.pp, 0), stage_inflight(s_.stages(), 0);
     bool progress = true;
     while (progress) {
       progress = false;
@@ -65,11 +66,16 @@ class Simulator {
               case ActionKind::kForward:
                 st |= kForwardDone;
                 // A forward-only schedule keeps no activation for a backward.
-                if (!s_.forward_only) sim.peak_inflight[r] = std::max(sim.peak_inflight[r], ++inflight[r]);
+                if (!s_.forward_only) {
+                  sim.peak_inflight[r] = std::max(sim.peak_inflight[r], ++inflight[r]);
+                  int& n = sim.peak_inflight_stage[a.stage];
+                  n = std::max(n, ++stage_inflight[a.stage]);
+                }
                 break;
               case ActionKind::kBackward:
                 st |= kBackwardDone | kInputGradDone | kWeightDone;
                 --inflight[r];
+                --stage_inflight[a.stage];
                 break;
               case ActionKind::kBackwardInput:
                 st |= kInputGradDone;
@@ -77,6 +83,7 @@ class Simulator {
               default:
                 st |= kWeightDone;
                 --inflight[r];
+                --stage_inflight[a.stage];
                 break;
             }
           }

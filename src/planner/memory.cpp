@@ -72,10 +72,12 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   int64_t blocks = 0;
   for (const auto& st : stages) blocks += st.blocks;
   const double per_block = block_activation_bytes(model, plan);
+  std::vector<int> stage_inflight;  // per stage of the model; empty without a pipeline
   if (c.pipeline() > 1) {
     const auto sim = parallel::simulate(parallel::make_schedule(plan.schedule, c.pipeline(),
                                                                 static_cast<int>(plan.micro_batches), plan.chunks));
     m.inflight = sim.peak_inflight[pp_rank];
+    stage_inflight = sim.peak_inflight_stage;
   }
   const double per_chunk_blocks = static_cast<double>(blocks) / stages.size();
   const double tokens = static_cast<double>(plan.micro_batch_rows()) * model.seq() / c.sequence();
@@ -88,10 +90,13 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   // The ends of the model, per micro-batch in flight (Note [Activation
   // memory]): the head's logits, their log-probabilities and gradient
   // (3 · V per token, V split over the tensor group), the embedding's
-  // output and its gradient (2h).
+  // output (h) and the one gradient arriving for it (h); each per
+  // micro-batch its own stage holds (the V's rank 0 holds many of the
+  // embedding's, one of the head's).
   for (const auto& st : stages) {
-    if (st.head) m.activations += m.inflight * tokens * 3.0 * model.vocab() / c.tensor() * e;
-    if (st.embed) m.activations += m.inflight * tokens * 2.0 * model.hidden() / c.tensor() * e;
+    const double held = stage_inflight.empty() ? m.inflight : stage_inflight.at(st.stage);
+    if (st.head) m.activations += held * tokens * 3.0 * model.vocab() / c.tensor() * e;
+    if (st.embed) m.activations += (held + 1) * tokens * model.hidden() / c.tensor() * e;
   }
   // Gathered parameters: the unit in use and the prefetched one (a block
   // each). Sharded gradients exist full-size until their bucket is reduced;

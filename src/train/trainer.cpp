@@ -102,6 +102,8 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
                             .bucket_bytes(options_.bucket_bytes())
                             .placements(model_.placements)
                             .offload_params(options_.offload_params());
+  // Before the pipeline executor empties the other stages' layers.
+  placements_ = model_.placements.empty() ? named_placements(*model_.layers) : model_.placements;
   if (pp > 1) {
     // Each local layer is a unit; the executor gathers a stage's units
     // around its actions (Note [ZeRO-3 under a pipeline]).
@@ -145,7 +147,6 @@ Trainer::Trainer(context::ParallelContextPtr ctx, TrainModel model, const Optimi
     opt_options.whole_norms(std::make_shared<parallel::PlacementNorms>(model_.placements));
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(sharded_, inner, opt_options);
   if (options_.loss_scaling()) scaler_.emplace(ctx_->world(), options_.scaler());
-  placements_ = model_.placements.empty() ? named_placements(*model_.layers) : model_.placements;
 }
 
 Trainer::~Trainer() = default;

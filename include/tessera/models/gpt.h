@@ -164,6 +164,7 @@ class GPTImpl : public torch::nn::Module {
   std::map<std::string, at::Tensor> full_state(bool gradients = false);
   // Every parameter with its full_state() name and its placement (where it
   // sits in the full tensor, which groups hold what); local, no communication.
+  // Fixed at construction.
   nn::NamedPlacements placements();
 
   // The factor the MoE layers' auxiliary-loss gradients are multiplied by
@@ -185,6 +186,7 @@ class GPTImpl : public torch::nn::Module {
   torch::nn::AnyModule wte_, wpe_, drop_, ln_f_, lm_head_;  // wpe_ empty with rotary positions
   std::vector<std::shared_ptr<GPTBlockImpl>> blocks_;
   std::shared_ptr<nn::MoELossScale> aux_loss_scale_ = std::make_shared<nn::MoELossScale>();
+  nn::NamedPlacements placements_;
 };
 
 TORCH_MODULE(GPT);

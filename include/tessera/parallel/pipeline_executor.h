@@ -86,7 +86,9 @@ std::vector<double> measure_layer_seconds(torch::nn::Sequential model, const at:
 class PipelineExecutor {
  public:
   // Collective over the pipeline group. `model` must be built alike on every
-  // pipeline rank (same layers, same initial values).
+  // pipeline rank (same layers, same initial values). The layers of other
+  // ranks' stages are released: their parameters and buffers become empty
+  // tensors on this rank (Note [Other stages released]).
   PipelineExecutor(torch::nn::Sequential model, const context::ParallelContextPtr& ctx, PipelineLossFn loss,
                    PipelineOptions options = {});
   ~PipelineExecutor();

@@ -36,6 +36,9 @@ struct Simulation {
   // Per rank, the most micro-batch stages whose forward has run and whose
   // backward (B, or W after I) has not: activations held at once.
   std::vector<int> peak_inflight;
+  // The same per stage: the model's ends (a head's logits) are held by
+  // their own stage's micro-batches, not by the whole rank's.
+  std::vector<int> peak_inflight_stage;
   // Per rank, the compute actions with their start times.
   std::vector<std::vector<std::pair<double, Action>>> timeline;
 };
