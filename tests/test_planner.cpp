@@ -528,6 +528,8 @@ TEST(Planner, PeakMemoryIsWithinFifteenPercentOfTheCountingAllocator) {
       {"pp2_checkpointed", ParallelConfig().pipeline(2), "ddp", 4, true},
       {"sp2_ulysses", ParallelConfig().sequence(2)},
       {"sp2_ring", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kRing)},
+      {"sp2_ring_tiled", ParallelConfig().sequence(2).sequence_mode(SequenceMode::kRing), "ddp", 1, false, 2, 64, 4,
+       1024, 101, 4},
       v_case("pp2_zb_v", parallel::ScheduleKind::kZeroBubbleV),
       v_case("pp2_dualpipev", parallel::ScheduleKind::kDualPipeV),
   };

@@ -104,14 +104,15 @@ MadeAttention make_attention(const ModeCase& c, int64_t head_dim, const comm::Co
 
 class SequenceAttention : public ::testing::TestWithParam<ModeCase> {};
 
+struct AttentionShape {
+  int64_t b, h, s, d;
+};
+
 // Output and the gradients of q, k and v of this rank's tokens equal the
 // serial attention's rows at its positions, in fp32 and fp64.
-TEST_P(SequenceAttention, EqualsSerialAttention) {
+void expect_attention_equals_serial(const ModeCase& mode, const AttentionShape& shape) {
   auto group = test::world();
-  const int p = group->size();
-  if (p > 4) GTEST_SKIP() << "runs at 1 to 4 ranks";
-  if (!attention_runs_at(GetParam(), p)) GTEST_SKIP() << "hybrid (Ulysses 2 x ring 2) runs at 4 ranks";
-  const int64_t b = 2, h = 12, s = 24, d = 4;  // 12 heads and 24 tokens divide for P = 1..4 in both splits
+  const auto [b, h, s, d] = shape;
   for (auto dtype : {at::kFloat, at::kDouble}) {
     SCOPED_TRACE(c10::toString(dtype));
     const double tol = dtype == at::kFloat ? kRelTolerance : 1e-12;
@@ -122,10 +123,10 @@ TEST_P(SequenceAttention, EqualsSerialAttention) {
     const at::Tensor out = serial_attention(q, k, v);
     out.backward(dout);
 
-    const at::Tensor pos = layout_of(GetParam(), group).positions(s).to(test::device());
+    const at::Tensor pos = layout_of(mode, group).positions(s).to(test::device());
     auto local = [&](const at::Tensor& t) { return t.detach().index_select(2, pos).requires_grad_(); };
     at::Tensor lq = local(q), lk = local(k), lv = local(v);
-    auto attention = make_attention(GetParam(), d, group).module;
+    auto attention = make_attention(mode, d, group).module;
     attention.ptr()->to(test::device());
     const at::Tensor lout = attention.forward(lq, lk, lv, pos);
     lout.backward(dout.index_select(2, pos));
@@ -134,6 +135,27 @@ TEST_P(SequenceAttention, EqualsSerialAttention) {
     EXPECT_LE(rel_error(lk.grad(), k.grad().index_select(2, pos)), tol);
     EXPECT_LE(rel_error(lv.grad(), v.grad().index_select(2, pos)), tol);
   }
+}
+
+TEST_P(SequenceAttention, EqualsSerialAttention) {
+  const int p = test::world()->size();
+  if (p > 4) GTEST_SKIP() << "runs at 1 to 4 ranks";
+  if (!attention_runs_at(GetParam(), p)) GTEST_SKIP() << "hybrid (Ulysses 2 x ring 2) runs at 4 ranks";
+  // 12 heads and 24 tokens divide for P = 1..4 in both splits.
+  expect_attention_equals_serial(GetParam(), {2, 12, 24, 4});
+}
+
+// Note [Ring attention tiles]: with 72 heads (36 per ring under hybrid) a
+// tile is 64 (128) tokens, so 528 tokens cut every rank's chunks into tiles
+// of unequal length, on and off the diagonal: one rank's whole sequence,
+// and 4 ranks' chunks of 66 (hybrid's 132).
+TEST_P(SequenceAttention, RingTilesEqualSerialAttention) {
+  const int p = test::world()->size();
+  const SequenceMode mode = GetParam().mode;
+  if (mode != SequenceMode::kRing && mode != SequenceMode::kHybrid) GTEST_SKIP() << "ring and hybrid cut tiles";
+  if (p != 1 && p != 4) GTEST_SKIP() << "runs at 1 and 4 ranks (about 3 s each)";
+  if (!attention_runs_at(GetParam(), p)) GTEST_SKIP() << "hybrid (Ulysses 2 x ring 2) runs at 4 ranks";
+  expect_attention_equals_serial(GetParam(), {1, 72, 528, 4});
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SequenceAttention, ::testing::ValuesIn(kCases), case_name);

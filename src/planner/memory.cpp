@@ -1,6 +1,7 @@
 #include "tessera/planner/memory.h"
 
 #include "tessera/context/rank_grid.h"
+#include "tessera/nn/sequence_attention.h"
 #include "tessera/parallel/pipeline_simulator.h"
 #include "tessera/planner/traffic.h"
 
@@ -42,11 +43,33 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   // attention keeps the kv heads before and after their repetition.
   const double a = static_cast<double>(model.attention_width()), kv = static_cast<double>(model.kv_width());
   const double attention = kv == a ? 4 * a : 4 * a + 2 * kv;
-  const double replicated = 4 * h,
-               split = attention + (model.fused_attention() ? 0.0 : 2.0 * model.heads() * keys) + mlp;
+  // Ring and hybrid keep no scores: their tiles are transient (ring_tile_buffer_bytes).
+  const bool ring = c.sequence() > 1 && (c.sequence_mode() == context::SequenceMode::kRing ||
+                                         c.sequence_mode() == context::SequenceMode::kHybrid);
+  const double scores = model.fused_attention() || ring ? 0.0 : 2.0 * model.heads() * keys;
+  const double replicated = 4 * h, split = attention + scores + mlp;
   const double per_token = c.tensor_mode() == context::TensorMode::k1D ? replicated + split / c.tensor()
                                                                          : (replicated + split) / c.tensor();
   return tokens * per_token * e;
+}
+
+// Ring and hybrid attention's transient work, once per rank: two tiles
+// (the scores and their exponent forward, the probabilities and the score
+// gradient backward; Note [Ring attention tiles]), in fp32 whatever the
+// model's precision.
+double ring_tile_buffer_bytes(const ModelDesc& model, const Plan& plan) {
+  const auto& c = plan.grid;
+  if (model.opaque() || model.fused_attention() || c.sequence() == 1) return 0;
+  if (c.sequence_mode() != context::SequenceMode::kRing && c.sequence_mode() != context::SequenceMode::kHybrid)
+    return 0;
+  const bool hybrid = c.sequence_mode() == context::SequenceMode::kHybrid;
+  const int64_t heads = model.heads() / c.tensor() / (hybrid ? c.sequence_ulysses() : 1);
+  const int64_t batch_heads = plan.micro_batch_rows() * std::max<int64_t>(heads, 1);
+  const int64_t ring = hybrid ? c.sequence() / c.sequence_ulysses() : c.sequence();
+  // A rank's chunk: S/ring tokens (two chunks of half that under zigzag).
+  const int64_t chunk = model.seq() / ring / (c.sequence_split() == context::SequenceSplit::kZigzag ? 2 : 1);
+  const double side = static_cast<double>(std::min(chunk, nn::ring_tile_tokens(batch_heads)));
+  return 2.0 * static_cast<double>(batch_heads) * side * side * 4.0;
 }
 
 MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int global_rank) {
@@ -110,6 +133,7 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   // activation panel and a gradient panel of the widest (MLP) matmul.
   if (c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D)
     m.buffers += 2 * tokens * model.ffn_width() / c.tensor() * e;
+  m.buffers += ring_tile_buffer_bytes(model, plan);
   if (c.pipeline() > 1) m.buffers += e * local;
   else if (d.grads > 1) m.buffers += e * local * (1 - 1.0 / d.grads);
   return m;

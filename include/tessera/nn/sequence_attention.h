@@ -46,6 +46,11 @@ class UlyssesAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(UlyssesAttention);
 
+// The side of ring attention's score tiles, in tokens, for b·h heads
+// (Note [Ring attention tiles]): the largest power of two, at least 64,
+// with b·h·T² ≤ 2^20.
+int64_t ring_tile_tokens(int64_t batch_heads);
+
 class RingAttentionImpl : public torch::nn::Module {
  public:
   // `dropout` (p may be 0) drops attention probabilities block by block:
