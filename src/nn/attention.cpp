@@ -2,7 +2,10 @@
 
 #include "tessera/nn/parallel_dropout.h"
 
+#include "tiled_attention.h"
+
 #include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -18,6 +21,7 @@ LocalAttentionImpl::LocalAttentionImpl(int64_t head_dim, torch::nn::AnyModule dr
 }
 
 bool LocalAttentionImpl::draws_nothing() const {
+  if (dropout_.ptr()->as<torch::nn::IdentityImpl>() != nullptr) return true;
   const auto* drop = dropout_.ptr()->as<ParallelDropoutImpl>();
   return drop != nullptr && (!drop->is_training() || drop->options.p() == 0.0);
 }
@@ -33,7 +37,6 @@ at::Tensor LocalAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k,
     const at::Tensor pos = positions.to(q.device());
     return pos.unsqueeze(0) > pos.unsqueeze(1);
   };
-#if TORCH_VERSION_MAJOR >= 2
   // Note [Fused attention]
   // With nothing to drop, the fused kernel (flash or memory-efficient
   // attention where the device has one) computes the same
@@ -42,16 +45,21 @@ at::Tensor LocalAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k,
   // shards) pass it explicitly. On CPU it is used in fp32 and fp64 only:
   // LibTorch 2.15's CPU kernel, forward and backward of [8, 8, 128, 32] on
   // one thread, took 9.3 ms against 15.3 ms for the explicit form in fp32,
-  // but 21.7 ms against 7.9 ms in bf16.
+  // but 21.7 ms against 7.9 ms in bf16. LibTorch 1.13 has no fused kernel:
+  // there fp32 and fp64 run ring attention's tiles on the whole sequence
+  // (Note [Ring attention tiles]), which hold no [tokens, tokens] matrix either.
   const bool reduced = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-  if (draws_nothing() && !(q.is_cpu() && reduced)) {
+  if (draws_nothing() && !(q.is_cpu() && reduced) && q.size(2) > 0) {
+#if TORCH_VERSION_MAJOR >= 2
     const int64_t n = positions.size(0);
     const bool consecutive =
         positions.is_cpu() && (n == 0 || positions.equal(at::arange(n, positions.options()) + positions[0]));
     return consecutive ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
                        : at::scaled_dot_product_attention(q, k, v, future().logical_not(), 0.0, false);
-  }
+#else
+    if (!reduced) return detail::tiled_causal_attention(q, k, v, positions);
 #endif
+  }
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   scores = scores.masked_fill(future(), -std::numeric_limits<float>::infinity());
   return at::matmul(dropout_.forward(at::softmax(scores, -1)), v);

@@ -24,7 +24,7 @@ class LocalAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
 
  private:
-  // The dropout is a ParallelDropout that draws nothing (eval, or p = 0).
+  // The dropout is an Identity, or a ParallelDropout that draws nothing (eval, or p = 0).
   bool draws_nothing() const;
 
   int64_t head_dim_;
