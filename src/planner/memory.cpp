@@ -1,6 +1,7 @@
 #include "tessera/planner/memory.h"
 
 #include "tessera/context/rank_grid.h"
+#include "tessera/core/compat.h"
 #include "tessera/nn/sequence_attention.h"
 #include "tessera/parallel/pipeline_simulator.h"
 #include "tessera/planner/traffic.h"
@@ -43,7 +44,7 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   // attention keeps the kv heads before and after their repetition.
   const double a = static_cast<double>(model.attention_width()), kv = static_cast<double>(model.kv_width());
   const double attention = kv == a ? 4 * a : 4 * a + 2 * kv;
-  // Ring and hybrid keep no scores: their tiles are transient (ring_tile_buffer_bytes).
+  // Ring and hybrid keep no scores: their tiles are transient (attention_tile_bytes).
   const bool ring = c.sequence() > 1 && (c.sequence_mode() == context::SequenceMode::kRing ||
                                          c.sequence_mode() == context::SequenceMode::kHybrid);
   const double scores = model.fused_attention() || ring ? 0.0 : 2.0 * model.heads() * keys;
@@ -53,21 +54,28 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   return tokens * per_token * e;
 }
 
-// Ring and hybrid attention's transient work, once per rank: two tiles
-// (the scores and their exponent forward, the probabilities and the score
+// The transient work of tiled attention, once per rank: two tiles (the
+// scores and their exponent forward, the probabilities and the score
 // gradient backward; Note [Ring attention tiles]), in fp32 whatever the
-// model's precision.
-double ring_tile_buffer_bytes(const ModelDesc& model, const Plan& plan) {
+// model's precision. Ring and hybrid always tile; local attention (Ulysses'
+// included) tiles on LibTorch 1.13 when it drops nothing.
+double attention_tile_bytes(const ModelDesc& model, const Plan& plan) {
   const auto& c = plan.grid;
-  if (model.opaque() || model.fused_attention() || c.sequence() == 1) return 0;
-  if (c.sequence_mode() != context::SequenceMode::kRing && c.sequence_mode() != context::SequenceMode::kHybrid)
-    return 0;
-  const bool hybrid = c.sequence_mode() == context::SequenceMode::kHybrid;
-  const int64_t heads = model.heads() / c.tensor() / (hybrid ? c.sequence_ulysses() : 1);
-  const int64_t batch_heads = plan.micro_batch_rows() * std::max<int64_t>(heads, 1);
-  const int64_t ring = hybrid ? c.sequence() / c.sequence_ulysses() : c.sequence();
-  // A rank's chunk: S/ring tokens (two chunks of half that under zigzag).
-  const int64_t chunk = model.seq() / ring / (c.sequence_split() == context::SequenceSplit::kZigzag ? 2 : 1);
+  if (model.opaque()) return 0;
+  const auto mode = c.sequence() > 1 ? c.sequence_mode() : context::SequenceMode::kUlysses;
+  const bool ring =
+      c.sequence() > 1 && (mode == context::SequenceMode::kRing || mode == context::SequenceMode::kHybrid);
+  const bool local = c.sequence() == 1 || mode == context::SequenceMode::kUlysses;
+  if (!ring && !(local && model.fused_attention() && !TESSERA_TORCH_VERSION_AT_LEAST(2, 0))) return 0;
+  const bool hybrid = ring && mode == context::SequenceMode::kHybrid;
+  const int64_t split = hybrid ? c.sequence_ulysses() : (local ? c.sequence() : 1);
+  const int64_t heads = std::max<int64_t>(model.heads() / c.tensor() / split, 1);
+  const int64_t batch_heads = plan.micro_batch_rows() * heads;
+  // The keys a tile spans: a rank's chunk on the ring (two per rank under
+  // zigzag), the whole sequence in local attention.
+  const int64_t ring_size = hybrid ? c.sequence() / c.sequence_ulysses() : c.sequence();
+  const int64_t chunk =
+      ring ? model.seq() / ring_size / (c.sequence_split() == context::SequenceSplit::kZigzag ? 2 : 1) : model.seq();
   const double side = static_cast<double>(std::min(chunk, nn::ring_tile_tokens(batch_heads)));
   return 2.0 * static_cast<double>(batch_heads) * side * side * 4.0;
 }
@@ -133,7 +141,7 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   // activation panel and a gradient panel of the widest (MLP) matmul.
   if (c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D)
     m.buffers += 2 * tokens * model.ffn_width() / c.tensor() * e;
-  m.buffers += ring_tile_buffer_bytes(model, plan);
+  if (blocks > 0) m.buffers += attention_tile_bytes(model, plan);  // a stage without blocks runs no attention
   if (c.pipeline() > 1) m.buffers += e * local;
   else if (d.grads > 1) m.buffers += e * local * (1 - 1.0 / d.grads);
   return m;

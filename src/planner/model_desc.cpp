@@ -123,11 +123,11 @@ ModelDesc ModelDesc::gpt(const models::GPTConfig& config, int64_t seq) {
       .top_k(config.top_k())
       .shared_expert_ffn(config.shared_expert_ffn())
       .shared_expert_gate(config.shared_expert_gate())
-      // Note [Fused attention] in src/nn/attention.cpp: LibTorch 2 runs
-      // tessera's attention fused when it drops nothing (except bf16 on
-      // CPU, which the planner does not tell apart: it counts the scores
-      // as not kept there too).
-      .fused_attention(TESSERA_TORCH_VERSION_AT_LEAST(2, 0) && config.dropout() == 0);
+      // Note [Fused attention] in src/nn/attention.cpp: tessera's attention
+      // keeps no scores when it drops nothing, fused on LibTorch 2 and in
+      // tiles on 1.13 (except bf16 on CPU, which the planner does not tell
+      // apart: it counts the scores as not kept there too).
+      .fused_attention(config.dropout() == 0);
 }
 
 ModelDesc ModelDesc::preset(const std::string& name, int64_t seq) {

@@ -65,8 +65,8 @@ struct ModelDesc {
   TORCH_ARG(int64_t, shared_expert_ffn) = 0;
   TORCH_ARG(bool, shared_expert_gate) = false;
   // Attention that keeps no [heads, s, s] scores for backward (FlashAttention).
-  // gpt() sets it as tessera's attention runs: fused on LibTorch 2 without
-  // dropout, explicit (scores kept) on 1.13 or with dropout.
+  // gpt() sets it as tessera's attention runs: without dropout, fused on
+  // LibTorch 2 and in tiles on 1.13; explicit (scores kept) with dropout.
   TORCH_ARG(bool, fused_attention) = false;
   // A module seen only from outside (from_module): its parameter count, and
   // what the user tells of a row's work and activations (0: unknown).
