@@ -11,6 +11,16 @@
 namespace tessera {
 namespace planner {
 
+namespace {
+
+// Ring and hybrid sequence attention: key blocks passed around a ring, in tiles.
+bool attends_on_a_ring(const context::ParallelConfig& c) {
+  return c.sequence() > 1 &&
+         (c.sequence_mode() == context::SequenceMode::kRing || c.sequence_mode() == context::SequenceMode::kHybrid);
+}
+
+}  // namespace
+
 // Note [Activation memory]
 // What one block keeps for backward, per token of the rank's layout, in
 // activation elements: the two LayerNorms' inputs and outputs (4h), the
@@ -45,14 +55,14 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
   const double a = static_cast<double>(model.attention_width()), kv = static_cast<double>(model.kv_width());
   const double attention = kv == a ? 4 * a : 4 * a + 2 * kv;
   // Ring and hybrid keep no scores: their tiles are transient (attention_tile_bytes).
-  const bool ring = c.sequence() > 1 && (c.sequence_mode() == context::SequenceMode::kRing ||
-                                         c.sequence_mode() == context::SequenceMode::kHybrid);
-  const double scores = model.fused_attention() || ring ? 0.0 : 2.0 * model.heads() * keys;
+  const double scores = model.fused_attention() || attends_on_a_ring(c) ? 0.0 : 2.0 * model.heads() * keys;
   const double replicated = 4 * h, split = attention + scores + mlp;
-  const double per_token = c.tensor_mode() == context::TensorMode::k1D ? replicated + split / c.tensor()
-                                                                         : (replicated + split) / c.tensor();
+  const double per_token =
+      c.tensor_mode() == context::TensorMode::k1D ? replicated + split / c.tensor() : (replicated + split) / c.tensor();
   return tokens * per_token * e;
 }
+
+namespace {
 
 // The transient work of tiled attention, once per rank: two tiles (the
 // scores and their exponent forward, the probabilities and the score
@@ -62,12 +72,10 @@ double block_activation_bytes(const ModelDesc& model, const Plan& plan) {
 double attention_tile_bytes(const ModelDesc& model, const Plan& plan) {
   const auto& c = plan.grid;
   if (model.opaque()) return 0;
-  const auto mode = c.sequence() > 1 ? c.sequence_mode() : context::SequenceMode::kUlysses;
-  const bool ring =
-      c.sequence() > 1 && (mode == context::SequenceMode::kRing || mode == context::SequenceMode::kHybrid);
-  const bool local = c.sequence() == 1 || mode == context::SequenceMode::kUlysses;
+  const bool ring = attends_on_a_ring(c);
+  const bool local = c.sequence() == 1 || c.sequence_mode() == context::SequenceMode::kUlysses;
   if (!ring && !(local && model.fused_attention() && !TESSERA_TORCH_VERSION_AT_LEAST(2, 0))) return 0;
-  const bool hybrid = ring && mode == context::SequenceMode::kHybrid;
+  const bool hybrid = ring && c.sequence_mode() == context::SequenceMode::kHybrid;
   const int64_t split = hybrid ? c.sequence_ulysses() : (local ? c.sequence() : 1);
   const int64_t heads = std::max<int64_t>(model.heads() / c.tensor() / split, 1);
   const int64_t batch_heads = plan.micro_batch_rows() * heads;
@@ -79,6 +87,8 @@ double attention_tile_bytes(const ModelDesc& model, const Plan& plan) {
   const double side = static_cast<double>(std::min(chunk, nn::ring_tile_tokens(batch_heads)));
   return 2.0 * static_cast<double>(batch_heads) * side * side * 4.0;
 }
+
+}  // namespace
 
 MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int global_rank) {
   MemoryEstimate m;
@@ -105,8 +115,8 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   const double per_block = block_activation_bytes(model, plan);
   std::vector<int> stage_inflight;  // per stage of the model; empty without a pipeline
   if (c.pipeline() > 1) {
-    const auto sim = parallel::simulate(parallel::make_schedule(plan.schedule, c.pipeline(),
-                                                                static_cast<int>(plan.micro_batches), plan.chunks));
+    const auto sim = parallel::simulate(
+        parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks));
     m.inflight = sim.peak_inflight[pp_rank];
     stage_inflight = sim.peak_inflight_stage;
   }
@@ -142,8 +152,10 @@ MemoryEstimate predict_memory(const ModelDesc& model, const Plan& plan, int glob
   if (c.tensor() > 1 && c.tensor_mode() != context::TensorMode::k1D)
     m.buffers += 2 * tokens * model.ffn_width() / c.tensor() * e;
   if (blocks > 0) m.buffers += attention_tile_bytes(model, plan);  // a stage without blocks runs no attention
-  if (c.pipeline() > 1) m.buffers += e * local;
-  else if (d.grads > 1) m.buffers += e * local * (1 - 1.0 / d.grads);
+  if (c.pipeline() > 1)
+    m.buffers += e * local;
+  else if (d.grads > 1)
+    m.buffers += e * local * (1 - 1.0 / d.grads);
   return m;
 }
 
