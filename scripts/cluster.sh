@@ -98,8 +98,7 @@ rate_bytes() {
 # on DEV drawing a random number per packet), so it needs no netem: with
 # DEV the host's eth0 and the switch's port, each direction of the link
 # loses PCT % of its packets, sent one MTU each (gso_max_segs 1) while a
-# loss is set. Delay needs netem, which some kernels (this machine's among
-# them) are built without: asked for there, it is refused, not ignored.
+# loss is set. Delay is the host's (delay_host below).
 shape_dev() {
   local ns="$1" dev="$2" bytes burst
   bytes=$(rate_bytes "$rate")
@@ -107,14 +106,7 @@ shape_dev() {
   ((burst >= 65536)) || burst=65536
   ip -n "$ns" link set "$dev" up
   tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
-  if [[ -n "$delay" ]]; then
-    [[ "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--delay '$delay' must be milliseconds (e.g. 10)"
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "${delay}ms" 2>/dev/null ||
-      die "--delay needs the kernel's netem queueing discipline (sch_netem), which this kernel lacks ('tc qdisc add ... netem' is refused); shape the rate and loss alone"
-    tc -n "$ns" qdisc add dev "$dev" parent 1:1 handle 10: tbf rate "$rate" burst "$burst" latency 200ms
-  else
-    tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst" latency 200ms
-  fi
+  tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst" latency 200ms
   ip netns exec "$ns" nft delete table netdev "loss_$dev" 2>/dev/null || true
   # A veth passes TCP's 64 KiB segments whole; under loss each frame must be
   # one packet of the MTU, as on a wire, or a drop would take 44 of them.
@@ -133,6 +125,59 @@ table netdev loss_$dev {
 }
 EOF
   fi
+}
+
+# Note [Delay without netem]
+# netem, the usual way to delay a link, is missing from some kernels (this
+# machine's among them: 'tc qdisc add ... netem' is "unknown"), and so is fq,
+# which could release packets at a time a BPF program stamps. What the
+# kernel does have is netfilter's queue to user space: a packet handed to
+# NFQUEUE waits in the kernel until a program says what to do with it. So
+# each host's packets arriving on eth0 go to queue 0 of its namespace
+# (iptables' raw PREROUTING), where scripts/link_delay.c, one per host,
+# accepts each DELAY ms after it arrived, in arrival order. Every packet
+# between two hosts then waits DELAY once (a round trip 2 DELAY), after the
+# rate's token buckets and the loss rule. The wait is at the receiver
+# because a sender's own TCP counts a packet held in its stack as still
+# queued (TCP small queues) and would throttle itself to a trickle; on the
+# far side of the veth the packet no longer belongs to the socket. Only the
+# packets' ids cross to the program; with no program bound to the queue
+# the kernel drops what reaches it, so a delay that failed cannot pass
+# unnoticed as a clean link.
+delay_helper() {
+  local bin="$state/link_delay" src
+  src="$(dirname "${BASH_SOURCE[0]}")/link_delay.c"
+  [[ -x "$bin" ]] && return 0
+  command -v iptables >/dev/null && command -v cc >/dev/null && [[ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ]] ||
+    die "--delay needs iptables, a C compiler and libnetfilter_queue (Debian packages iptables, gcc, libnetfilter-queue-dev; scripts/install-deps.sh installs them)"
+  cc -O2 -o "$bin" "$src" -lnetfilter_queue -lnfnetlink 2>"$state/link_delay.build.log" ||
+    die "building $src failed: $(tail -3 "$state/link_delay.build.log")"
+}
+
+# Sets host NS's delay to $delay ms (none when empty or 0).
+delay_host() {
+  local ns="$1" ready="$state/delay-$1.pid" pid
+  # Rule out first, then the program, which lets what it holds go.
+  ip netns exec "$ns" iptables -t raw -D PREROUTING -i eth0 -j NFQUEUE --queue-num 0 2>/dev/null || true
+  if [[ -s "$ready" ]]; then
+    pid=$(cat "$ready")
+    kill "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+    rm -f "$ready"
+  fi
+  [[ -n "$delay" && "$delay" != 0 && "$delay" != 0.0 ]] || return 0
+  delay_helper
+  local us
+  us=$(awk -v d="$delay" 'BEGIN { printf "%d", d * 1000 + 0.5 }')
+  ip netns exec "$ns" setsid "$state/link_delay" 0 "$us" "$ready" >>"$state/delay-$ns.log" 2>&1 </dev/null &
+  local tries
+  for ((tries = 0; tries < 100; tries++)); do
+    [[ -s "$ready" ]] && break
+    sleep 0.05
+  done
+  [[ -s "$ready" ]] || die "the delay program did not start on $ns: $(tail -3 "$state/delay-$ns.log")"
+  ip netns exec "$ns" iptables -t raw -A PREROUTING -i eth0 -j NFQUEUE --queue-num 0 ||
+    die "iptables refused the delay's queue rule on $ns (the kernel needs NFQUEUE and nfnetlink_queue)"
 }
 
 # Note [Slurm in namespaces]
@@ -239,7 +284,8 @@ up() {
   [[ -z "$loss" || "$loss" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--loss '$loss' must be a percentage (e.g. 1)"
   [[ ! -e "$state" ]] || die "a cluster named '$name' is up ($state): 'cluster.sh down --name $name' first"
   mkdir -p "$state"
-  trap 'echo "cluster.sh: up failed; removing what it made" >&2; down >/dev/null 2>&1 || true' ERR
+  # A failed command or a refusal (die exits) removes what was made.
+  trap 'rc=$?; ((rc == 0)) || { echo "cluster.sh: up failed; removing what it made" >&2; down >/dev/null 2>&1 || true; }' EXIT
   ip netns add "$switch"
   ip -n "$switch" link set lo up
   ip -n "$switch" link add br0 type bridge
@@ -260,6 +306,7 @@ up() {
       echo "cluster.sh: this kernel keeps net.ipv4.tcp_retries2 global; after a cut link mpirun may wait minutes" >&2
     shape_dev "$ns" eth0
     shape_dev "$switch" "h$i"
+    delay_host "$ns"
     echo "$ns slots=$ranks" >>"$state/hostfile"
   done
   # `ip netns exec` bind-mounts /etc/netns/NS/hosts over /etc/hosts: each
@@ -296,7 +343,7 @@ EOF
   chmod +x "$state/agent"
   echo "$hosts $ranks $rate ${delay:-0} ${loss:-0}" >"$state/shape"
   ((slurm == 0)) || slurm_up
-  trap - ERR
+  trap - EXIT
   echo "cluster $name: $hosts hosts x $ranks ranks ($(host_ns 0) .. $(host_ns $((hosts - 1))), 10.231.0.1-$hosts), each link $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}$( ((slurm == 0)) || echo ", Slurm up")"
 }
 
@@ -304,8 +351,10 @@ shape() {
   check_root
   [[ -e "$state" ]] || die "no cluster named '$name' is up"
   [[ -e "/run/netns/$(host_ns "$host")" ]] || die "--host $host: cluster '$name' has no such host"
+  [[ -z "$delay" || "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--delay '$delay' must be milliseconds (e.g. 10)"
   shape_dev "$(host_ns "$host")" eth0
   shape_dev "$switch" "h$host"
+  delay_host "$(host_ns "$host")"
   echo "cluster $name: host $host's link now $rate${delay:+, ${delay} ms}${loss:+, ${loss} % loss}"
 }
 
@@ -353,7 +402,7 @@ status() {
   echo "cluster $name: $h hosts x $r ranks, links $rt (delay ${d} ms, loss ${l} %)"
   local i
   for ((i = 0; i < h; i++)); do
-    echo "  $(host_ns "$i") 10.231.0.$((i + 1)): $(tc -n "$(host_ns "$i")" qdisc show dev eth0 | head -1)"
+    echo "  $(host_ns "$i") 10.231.0.$((i + 1)): $(tc -n "$(host_ns "$i")" qdisc show dev eth0 | head -1)$([[ -s "$state/delay-$(host_ns "$i").pid" ]] && echo ", arrivals delayed (link_delay pid $(cat "$state/delay-$(host_ns "$i").pid"))")"
   done
 }
 

@@ -10,6 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libfmt-dev nlohmann-json3-dev libgtest-dev libcli11-dev
   iproute2 nftables slurmd slurmctld slurm-client munge  # the emulated cluster (scripts/cluster.sh)
+  iptables libnetfilter-queue-dev                        # its link delay (Note [Delay without netem])
   "$@"
 )
 
