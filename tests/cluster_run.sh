@@ -13,7 +13,9 @@
 #  - (mpirun) the bytes that cross hosts in a step of ddp, zero3 and hpz
 #    equal the planner's prediction (test_planner), hpz and mics take k =
 #    the ranks of a host and equal the serial run (test_data_parallel), and
-#    train_gpt --plan auto plans the two hosts as nodes and trains.
+#    train_gpt --plan auto plans the two hosts as nodes and trains, and with
+#    TESSERA_PROGRESS_US (the stage driver) and small buckets it gives the
+#    same losses as without.
 # Needs root (network namespaces); without it, or without Slurm for srun, it
 # reports a skip (exit 77) with the reason.
 set -uo pipefail
@@ -92,7 +94,15 @@ if [ "$launcher" = mpirun ]; then
     fail "train_gpt --plan auto across the hosts failed: $(tail -5 "$out/plan.log")"
   nodes=$(grep -m1 -o "2 hosts of 2 ranks as nodes[^;]*" "$out/plan.log") ||
     fail "train_gpt --plan auto did not plan the hosts as nodes: $(grep -m3 planner "$out/plan.log")"
+  # Note [Stages advanced beside the caller]: with the progress thread and
+  # its stage driver, and buckets small enough that several reductions by
+  # host are in flight at once, the same numbers as without them.
+  TESSERA_PROGRESS_US=50 on_cluster "$train_gpt" "${args[@]}" --bucket-mb 0.07 --metrics "$out/driven.jsonl" \
+    > "$out/driven.log" 2>&1 || fail "train_gpt with TESSERA_PROGRESS_US=50 failed: $(tail -5 "$out/driven.log")"
+  [ "$(losses "$out/driven.jsonl")" = "$(losses "$out/cluster.jsonl")" ] ||
+    fail "losses with the stage driver and 0.07 MiB buckets differ: $(losses "$out/driven.jsonl" | tr '\n' ' ')"
   summary+="; bytes across hosts as predicted: $crossing hpz and mics take k = 2 and equal serial; --plan auto: $nodes"
+  summary+="; the stage driver with 0.07 MiB buckets gives the same losses"
 fi
 echo "$summary"
 [ $failures -eq 0 ] || exit 1

@@ -13,7 +13,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
+#include <thread>
 #include <vector>
 
 namespace tessera {
@@ -61,10 +63,18 @@ at::Tensor expected(int n, int64_t numel, c10::ScalarType dtype, ReduceOp op) {
     const at::Tensor x = input_of(q, numel, dtype, op).to(at::kDouble);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc = acc + x; break;
-      case ReduceOp::kProduct: acc = acc * x; break;
-      case ReduceOp::kMin: acc = at::minimum(acc, x); break;
-      case ReduceOp::kMax: acc = at::maximum(acc, x); break;
+      case ReduceOp::kAvg:
+        acc = acc + x;
+        break;
+      case ReduceOp::kProduct:
+        acc = acc * x;
+        break;
+      case ReduceOp::kMin:
+        acc = at::minimum(acc, x);
+        break;
+      case ReduceOp::kMax:
+        acc = at::maximum(acc, x);
+        break;
     }
   }
   if (op == ReduceOp::kAvg) acc = acc / n;
@@ -189,11 +199,15 @@ TEST(Hierarchical, ReduceScatterAndAllGatherEqualTheResultsComputedLocally) {
 // buckets of a backward pass) and polled in an order that differs between
 // ranks (later ones first on even ranks), each polled step driving
 // whichever stage it reaches, all end with the sums.
-TEST(Hierarchical, ReductionsInFlightTogetherPolledInAnyOrder) {
+// With a stage driver (Note [Stages advanced beside the caller]) the driver
+// advances them too, beside the polls.
+class HierarchicalInFlight : public ::testing::TestWithParam<int> {};
+
+TEST_P(HierarchicalInFlight, ReductionsInFlightTogetherPolledInAnyOrder) {
   auto world = test::world();
   const int n = world->size();
   if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
-  auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2));
+  auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2), std::chrono::microseconds(GetParam()));
   ASSERT_NE(group, world);
   std::vector<at::Tensor> xs;
   std::vector<comm::WorkPtr> works;
@@ -213,6 +227,55 @@ TEST(Hierarchical, ReductionsInFlightTogetherPolledInAnyOrder) {
     works[static_cast<size_t>(i)]->wait();
     const double want = n * (n - 1) / 2.0 + static_cast<double>(n) * i;
     EXPECT_TRUE(xs[static_cast<size_t>(i)].cpu().eq(want).all().item<bool>()) << "reduction " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Hierarchical, HierarchicalInFlight, ::testing::Values(0, 20),
+                         [](const auto& info) { return info.param ? "driven" : "polled"; });
+
+// Note [Stages advanced beside the caller]: reductions posted and then left
+// alone (no call on the caller's thread, as during a stretch of backward)
+// run every stage with a driver; without one, only their first.
+TEST(Hierarchical, ADriverAdvancesTheStagesWhileTheCallerLeavesThemAlone) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  if (test::device().is_cuda()) GTEST_SKIP() << "the MPI backend's host tensors";
+  // Sizes that divide over the group: the last stage writes the tensor itself.
+  const int64_t numel = (int64_t{1} << 15) * n;
+  for (int drive : {0, 50}) {
+    SCOPED_TRACE(drive ? "with a driver" : "without");
+    auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2), std::chrono::microseconds(drive));
+    auto* h = dynamic_cast<HierarchicalCommunicator*>(group.get());
+    ASSERT_NE(h, nullptr);
+    std::vector<at::Tensor> xs;
+    std::vector<comm::WorkPtr> works;
+    world->control()->barrier()->wait();
+    for (int i = 0; i < 3; ++i) {
+      xs.push_back(at::full({numel}, static_cast<double>(world->rank() + i), at::kDouble));
+      comm::AllReduceOptions o;
+      o.async = true;
+      works.push_back(group->all_reduce(xs.back(), o));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // Before anyone here looks again: with a driver every reduction is done.
+    int finished = 0;
+    for (int i = 0; i < 3; ++i) {
+      const double want = n * (n - 1) / 2.0 + static_cast<double>(n) * i;
+      finished += xs[static_cast<size_t>(i)].eq(want).all().item<bool>() ? 1 : 0;
+    }
+    if (drive) {
+      EXPECT_EQ(finished, 3) << "reductions done while the caller slept";
+      EXPECT_GT(h->driver_polls(), 0) << "the driver polled";
+    } else {
+      EXPECT_EQ(finished, 0) << "without a driver, nothing past a stage's end moves";
+      EXPECT_EQ(h->driver_polls(), -1);
+    }
+    for (int i = 0; i < 3; ++i) {
+      works[static_cast<size_t>(i)]->wait();
+      const double want = n * (n - 1) / 2.0 + static_cast<double>(n) * i;
+      EXPECT_TRUE(xs[static_cast<size_t>(i)].eq(want).all().item<bool>()) << "reduction " << i;
+    }
   }
 }
 

@@ -3,9 +3,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "stage_driver.h"
+#include "tessera/comm/mpi_communicator.h"
+
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -14,19 +19,22 @@ namespace comm {
 namespace {
 
 // Runs its stages one after the other: each starts when the one before has
-// completed, found by wait() or by an is_completed() that sees it done. The
+// completed, found by wait(), by an is_completed() that sees it done, or by
+// the group's stage driver (Note [Stages advanced beside the caller]). The
 // first starts only once `after` (the group's previous reduction) has
-// completed: Note [One reduction at a time].
+// completed: Note [One reduction at a time]. Every advance holds the
+// group's mutex, so the stages of the group's operations are issued in one
+// order whichever thread issues them.
 class StagedWork : public Work {
  public:
-  StagedWork(std::vector<std::function<WorkPtr()>> stages, WorkPtr after)
-      : stages_(std::move(stages)), after_(std::move(after)) {
-    if (!after_ || after_->is_completed()) {
-      after_.reset();
-      advance();
-    }
+  StagedWork(std::vector<std::function<WorkPtr()>> stages, std::shared_ptr<StagedWork> after,
+             std::shared_ptr<std::mutex> mutex)
+      : stages_(std::move(stages)), after_(std::move(after)), mutex_(std::move(mutex)) {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    completed_locked();
   }
   ~StagedWork() override {
+    if (completed_.load(std::memory_order_acquire)) return;
     try {
       wait();
     } catch (...) {  // a destructor must not throw; the error was the waiter's to see
@@ -34,34 +42,60 @@ class StagedWork : public Work {
   }
 
   void wait() override {
-    if (after_) {
-      after_->wait();
-      after_.reset();
-      advance();
+    if (completed_.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lock(*mutex_);
+    wait_locked();
+  }
+
+  bool is_completed() override {
+    if (completed_.load(std::memory_order_acquire)) return true;
+    std::lock_guard<std::mutex> lock(*mutex_);
+    return completed_locked();
+  }
+
+  // The driver's poll: never waits for the mutex (the caller may hold it in wait()).
+  bool try_advance() {
+    if (completed_.load(std::memory_order_acquire)) return true;
+    std::unique_lock<std::mutex> lock(*mutex_, std::try_to_lock);
+    return lock.owns_lock() && completed_locked();
+  }
+
+ private:
+  void wait_locked() {
+    if (!started_) {
+      if (after_) after_->wait_locked();
+      start();
     }
     while (current_) {
       current_->wait();
       advance();
     }
+    completed_.store(true, std::memory_order_release);
   }
-
-  bool is_completed() override {
-    if (after_) {
-      if (!after_->is_completed()) return false;
-      after_.reset();
-      advance();
+  bool completed_locked() {
+    if (!started_) {
+      if (after_ && !after_->completed_locked()) return false;
+      start();
     }
     while (current_ && current_->is_completed()) advance();
-    return current_ == nullptr;
+    if (current_) return false;
+    completed_.store(true, std::memory_order_release);
+    return true;
   }
-
- private:
+  void start() {
+    after_.reset();  // completed: its destructor takes no lock
+    started_ = true;
+    advance();
+  }
   void advance() { current_ = next_ < stages_.size() ? stages_[next_++]() : nullptr; }
 
   std::vector<std::function<WorkPtr()>> stages_;
-  WorkPtr after_;
+  std::shared_ptr<StagedWork> after_;
+  std::shared_ptr<std::mutex> mutex_;
+  bool started_ = false;
   size_t next_ = 0;
   WorkPtr current_;
+  std::atomic<bool> completed_{false};
 };
 
 // Note [A ring across hosts]
@@ -152,6 +186,18 @@ HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, Commun
       host_id_(host_id) {}
 
 CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) {
+  return wrap(std::move(inner), host, MpiOptions::progress_from_env());
+}
+
+CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host, std::chrono::microseconds drive) {
+  auto wrapped = wrap_with(std::move(inner), host, nullptr);
+  auto* h = dynamic_cast<HierarchicalCommunicator*>(wrapped.get());
+  if (h != nullptr && drive.count() > 0) h->driver_ = std::make_shared<detail::StageDriver>(drive);
+  return wrapped;
+}
+
+CommunicatorPtr HierarchicalCommunicator::wrap_with(CommunicatorPtr inner, int host,
+                                                    std::shared_ptr<detail::StageDriver> driver) {
   TORCH_CHECK(inner != nullptr, "HierarchicalCommunicator::wrap needs a communicator");
   const int n = inner->size();
   if (n < 4) return inner;  // two hosts of two ranks at the least
@@ -175,21 +221,25 @@ CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) 
   const int host_index = static_cast<int>(std::find(order.begin(), order.end(), host) - order.begin());
   CommunicatorPtr host_group = inner->split(host_index, inner->rank(), inner->name() + ".host");
   CommunicatorPtr cross_group = inner->split(local, host_index, inner->name() + ".cross");
-  TORCH_INTERNAL_ASSERT(host_group->size() == per_host && cross_group->size() == hosts,
-                        "host split of ", inner->name(), " gave ", host_group->size(), " x ", cross_group->size(),
-                        " ranks, expected ", per_host, " x ", hosts);
+  TORCH_INTERNAL_ASSERT(host_group->size() == per_host && cross_group->size() == hosts, "host split of ", inner->name(),
+                        " gave ", host_group->size(), " x ", cross_group->size(), " ranks, expected ", per_host, " x ",
+                        hosts);
   at::Tensor by_local_index = at::empty({n}, at::kLong);
   for (int r = 0; r < n; ++r) {
     const auto index = std::find(order.begin(), order.end(), h[r]) - order.begin();
     by_local_index.data_ptr<int64_t>()[local_of[static_cast<size_t>(r)] * hosts + index] = r;
   }
-  return CommunicatorPtr(new HierarchicalCommunicator(std::move(inner), std::move(host_group), std::move(cross_group),
-                                                      std::move(by_local_index), host));
+  auto wrapped = std::shared_ptr<HierarchicalCommunicator>(new HierarchicalCommunicator(
+      std::move(inner), std::move(host_group), std::move(cross_group), std::move(by_local_index), host));
+  wrapped->driver_ = std::move(driver);
+  return wrapped;
 }
+
+int64_t HierarchicalCommunicator::driver_polls() const { return driver_ ? driver_->polls() : -1; }
 
 CommunicatorPtr HierarchicalCommunicator::split(int color, int key, const std::string& name) {
   CommunicatorPtr group = inner_->split(color, key, name);
-  return group ? wrap(std::move(group), host_id_) : nullptr;
+  return group ? wrap_with(std::move(group), host_id_, driver_) : nullptr;
 }
 
 WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
@@ -308,10 +358,17 @@ WorkPtr HierarchicalCommunicator::submit(std::vector<std::function<WorkPtr()>> s
   // MPI aborted with MPI_ERR_TRUNCATE with 0.25 MiB buckets). So a
   // reduction starts its first stage only when the group's previous one has
   // completed; every rank then issues every stage in the same order.
-  WorkPtr after = last_.lock();
-  auto work = std::make_shared<StagedWork>(std::move(stages), std::move(after));
+  auto work =
+      std::make_shared<StagedWork>(std::move(stages), std::static_pointer_cast<StagedWork>(last_.lock()), stage_mutex_);
   last_ = work;
-  if (!async) work->wait();
+  if (!async) {
+    work->wait();
+  } else if (driver_ && !work->is_completed()) {
+    driver_->add([weak = std::weak_ptr<StagedWork>(work)] {
+      auto w = weak.lock();
+      return !w || w->try_advance();
+    });
+  }
   return work;
 }
 

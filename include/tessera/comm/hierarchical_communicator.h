@@ -40,16 +40,41 @@
 // ranks; the planner then routes every one of them (Note [Reductions across
 // nodes in the plan]) without knowing the units' sizes.
 // Every other operation goes to the inner communicator unchanged.
+//
+// Note [Stages advanced beside the caller]
+// A staged operation moves to its next stage only when somebody looks:
+// its caller's wait() or is_completed() (ShardedModule polls its buckets in
+// each gradient hook). Between two looks a stage that has completed waits,
+// and with it every later reduction of the group (Note [One reduction at a
+// time] in the source): MPI moves the bytes of a posted stage (with a
+// progress thread, Note [A progress thread]), but nobody posts the next
+// one. With TESSERA_PROGRESS_US=N (the progress thread's switch), a
+// hierarchical group and its splits also get a stage driver: a thread
+// that, while any of their staged operations is pending, looks every N µs
+// and posts the next stage itself, and sleeps otherwise. Every advance, the
+// caller's or the driver's, holds the group's mutex, so each of the
+// group's communicators still sees one order of operations, the same on
+// every rank; the host and cross communicators carry nothing but the
+// stages, so the caller's own operations on other communicators never meet
+// the driver's on one. The driver never waits for the mutex (the caller
+// may hold it in a blocking wait) and never blocks in MPI; timeouts stay
+// with the caller's wait. It needs MPI_THREAD_MULTIPLE, as the progress
+// thread does.
 #include "tessera/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 namespace tessera {
 namespace comm {
+namespace detail {
+class StageDriver;
+}
 
 class HierarchicalCommunicator : public Communicator {
  public:
@@ -59,7 +84,13 @@ class HierarchicalCommunicator : public Communicator {
   // alike on every rank). Returns `inner` itself unless the group spans
   // more than one host with the same number (> 1) of its ranks on each,
   // ranks of one host contiguous or not.
+  // `drive` > 0 starts a stage driver polling every `drive` (Note [Stages
+  // advanced beside the caller]); the first form takes it from
+  // TESSERA_PROGRESS_US. Splits share the group's driver.
   static CommunicatorPtr wrap(CommunicatorPtr inner, int host);
+  static CommunicatorPtr wrap(CommunicatorPtr inner, int host, std::chrono::microseconds drive);
+  // Polls the group's stage driver has made; -1 without a driver (tests).
+  int64_t driver_polls() const;
 
   const CommunicatorPtr& inner() const { return inner_; }
   // Ranks of this host in the group, and the ranks with this local index
@@ -102,6 +133,7 @@ class HierarchicalCommunicator : public Communicator {
  private:
   HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross,
                            at::Tensor by_local_index, int host_id);
+  static CommunicatorPtr wrap_with(CommunicatorPtr inner, int host, std::shared_ptr<detail::StageDriver> driver);
   // Runs the stages after the group's previous staged operation (Note [One
   // reduction at a time] in the source).
   WorkPtr submit(std::vector<std::function<WorkPtr()>> stages, bool async);
@@ -116,6 +148,9 @@ class HierarchicalCommunicator : public Communicator {
   // The last reduction issued; the next starts after it (Note [One
   // reduction at a time] in the source). Dropped works have completed.
   std::weak_ptr<Work> last_;
+  // Held by every advance of this group's stages; null driver: none.
+  std::shared_ptr<std::mutex> stage_mutex_ = std::make_shared<std::mutex>();
+  std::shared_ptr<detail::StageDriver> driver_;
 };
 
 }  // namespace comm
