@@ -4,13 +4,22 @@
 # (scripts/cluster.sh), with and without a progress thread (Note [A progress
 # thread]). Per link rate, train_gpt's median step (after two) for
 #   after:   one bucket (--bucket-mb 100): the whole reduction after backward
-#   buckets: --bucket-mb $BUCKET_MB, reductions posted during backward
-#   thread:  the same with TESSERA_PROGRESS_US=$PROGRESS_US
+#   buckets: --bucket-mb $BUCKET_MB, reductions posted during backward,
+#            advanced only by the gradient hooks (TESSERA_PROGRESS_US=0)
+#   driver:  the same with the stage driver (the default: Note [Stages
+#            advanced beside the caller])
+#   thread:  the same with TESSERA_PROGRESS_US=$PROGRESS_US (the progress
+#            thread and the driver at that interval)
 # and the same ranks on one host with one bucket (the compute floor, with
 # its own small reduction). Overlap efficiency = hidden / total
-# communication = (after - X) / (after - one_host). One JSON object per row.
+# communication, two ways: from the steps, (after - X) / (after - one_host),
+# which counts as exposed the compute that the communication's own CPU time
+# (TCP, the threads) takes from ranks sharing cores; and from rank 0's time
+# waiting in communication (train_gpt's wait_s), (wait_after - wait_X) /
+# (wait_after - wait_one_host), which counts only what the step waited
+# for. One JSON object per row.
 # Environment: RATES (default "200mbit 20mbit"), HOSTS, RANKS (2 x 2),
-# STEPS (8), BUCKET_MB (0.25), PROGRESS_US (200), MODEL (train_gpt's model
+# ROUNDS (3), STEPS (8), BUCKET_MB (0.25), PROGRESS_US (200), MODEL (train_gpt's model
 # and batch flags; default the 0.84 M-parameter demo GPT, 8 sequences of 128
 # tokens per rank).
 set -euo pipefail
@@ -22,6 +31,7 @@ rates=${RATES:-200mbit 20mbit}
 hosts=${HOSTS:-2}
 ranks=${RANKS:-2}
 steps=${STEPS:-8}
+rounds=${ROUNDS:-3}
 bucket=${BUCKET_MB:-0.25}
 progress=${PROGRESS_US:-200}
 n=$((hosts * ranks))
@@ -39,7 +49,7 @@ median_ms() {
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"train"' in l]
 rows = rows[2:] if len(rows) > 2 else rows
-print(f"{statistics.median(r['seconds'] for r in rows) * 1e3:.1f}")
+print(f"{statistics.median(r['seconds'] for r in rows) * 1e3:.1f},{statistics.median(r['wait_s'] for r in rows) * 1e3:.1f}")
 PY
 }
 run_train() {  # METRICS BUCKET_MB LAUNCH...
@@ -53,22 +63,38 @@ run_train() {  # METRICS BUCKET_MB LAUNCH...
   median_ms "$metrics"
 }
 
-one=$(run_train "$out/one.jsonl" 100 mpirun -np "$n")
 for rate in $rates; do
   bash "$cluster" up --name "$name" --hosts "$hosts" --ranks "$ranks" --rate "$rate" >/dev/null
   on=(bash "$cluster" run --name "$name" -- mpirun -np "$n")
-  after=$(run_train "$out/after.jsonl" 100 "${on[@]}")
-  buckets=$(run_train "$out/buckets.jsonl" "$bucket" "${on[@]}")
-  thread=$(TESSERA_PROGRESS_US=$progress run_train "$out/thread.jsonl" "$bucket" "${on[@]}")
-  python3 - "$hosts" "$ranks" "$rate" "$bucket" "$progress" "$one" "$after" "$buckets" "$thread" <<'PY'
-import json, sys
+  # Rounds interleave the four runs, so that a slow minute of this
+  # machine's shared cores falls on all of them; each figure is the median
+  # over the rounds.
+  one=() after=() buckets=() driver=() thread=()
+  for ((round = 0; round < rounds; round++)); do
+    one+=("$(run_train "$out/one.jsonl" 100 mpirun -np "$n")")
+    after+=("$(run_train "$out/after.jsonl" 100 "${on[@]}")")
+    buckets+=("$(TESSERA_PROGRESS_US=0 run_train "$out/buckets.jsonl" "$bucket" "${on[@]}")")
+    driver+=("$(run_train "$out/driver.jsonl" "$bucket" "${on[@]}")")
+    thread+=("$(TESSERA_PROGRESS_US=$progress run_train "$out/thread.jsonl" "$bucket" "${on[@]}")")
+  done
+  python3 - "$hosts" "$ranks" "$rate" "$bucket" "$progress" "${one[*]}" "${after[*]}" "${buckets[*]}" \
+    "${driver[*]}" "${thread[*]}" <<'PY'
+import json, statistics, sys
 hosts, ranks, rate, bucket, progress = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
-one, after, buckets, thread = map(float, sys.argv[6:10])
-comm = after - one
-eff = lambda x: round((after - x) / comm, 3) if comm > 0 else None
-print(json.dumps({"hosts": hosts, "ranks_per_host": ranks, "rate": rate, "bucket_mb": bucket, "progress_us": progress,
-                  "one_host_ms": one, "after_backward_ms": after, "buckets_ms": buckets, "buckets_thread_ms": thread,
-                  "overlap_buckets": eff(buckets), "overlap_thread": eff(thread)}))
+def medians(arg):  # "step,wait step,wait ..." -> (median step, median wait)
+    pairs = [tuple(map(float, x.split(","))) for x in arg.split()]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+runs = dict(zip(("one_host", "after_backward", "buckets", "driver", "thread"), (medians(a) for a in sys.argv[6:11])))
+row = {"hosts": hosts, "ranks_per_host": ranks, "rate": rate, "bucket_mb": bucket, "progress_us": progress,
+       "rounds": len(sys.argv[6].split())}
+for k, (step, wait) in runs.items():
+    row[f"{k}_ms"], row[f"{k}_wait_ms"] = step, wait
+(one, one_w), (after, after_w) = runs["one_host"], runs["after_backward"]
+for k in ("buckets", "driver", "thread"):
+    step, wait = runs[k]
+    row[f"overlap_{k}"] = round((after - step) / (after - one), 3) if after > one else None
+    row[f"overlap_{k}_wait"] = round((after_w - wait) / (after_w - one_w), 3) if after_w > one_w else None
+print(json.dumps(row))
 PY
   bash "$cluster" down --name "$name" >/dev/null
 done

@@ -4,10 +4,15 @@
 #include <c10/util/Exception.h>
 
 #include "stage_driver.h"
+#include "tessera/comm/mpi_check.h"
 #include "tessera/comm/mpi_communicator.h"
+#include "tessera/core/logging.h"
+
+#include <mpi.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -186,7 +191,20 @@ HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, Commun
       host_id_(host_id) {}
 
 CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host) {
-  return wrap(std::move(inner), host, MpiOptions::progress_from_env());
+  const char* set = std::getenv("TESSERA_PROGRESS_US");
+  if (set != nullptr && *set != '\0') return wrap(std::move(inner), host, MpiOptions::progress_from_env());
+  // Unset: the driver by default, where MPI lets a second thread call it.
+  int provided = MPI_THREAD_SINGLE;
+  TESSERA_MPI_CHECK(MPI_Query_thread(&provided));
+  const bool threads = provided == MPI_THREAD_MULTIPLE;
+  auto wrapped = wrap(std::move(inner), host, threads ? kDefaultDrive : std::chrono::microseconds(0));
+  if (!threads && wrapped->rank() == 0 && dynamic_cast<HierarchicalCommunicator*>(wrapped.get()) != nullptr)
+    log_warning(0,
+                "{}: its reductions by host advance only when the caller looks at them (no stage driver): MPI runs "
+                "with thread level {}, not MPI_THREAD_MULTIPLE; let tessera::comm::MpiRuntime initialize MPI, or "
+                "set TESSERA_PROGRESS_US=0 to silence this",
+                wrapped->name(), provided);
+  return wrapped;
 }
 
 CommunicatorPtr HierarchicalCommunicator::wrap(CommunicatorPtr inner, int host, std::chrono::microseconds drive) {

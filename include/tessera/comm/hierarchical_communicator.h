@@ -48,10 +48,13 @@
 // and with it every later reduction of the group (Note [One reduction at a
 // time] in the source): MPI moves the bytes of a posted stage (with a
 // progress thread, Note [A progress thread]), but nobody posts the next
-// one. With TESSERA_PROGRESS_US=N (the progress thread's switch), a
-// hierarchical group and its splits also get a stage driver: a thread
-// that, while any of their staged operations is pending, looks every N µs
-// and posts the next stage itself, and sleeps otherwise. Every advance, the
+// one. So a hierarchical group and its splits get a stage driver: a
+// thread that, while any of their staged operations is pending, looks
+// every N µs and posts the next stage itself (its MPI_Test also runs MPI's
+// progress engine), and sleeps otherwise. N is TESSERA_PROGRESS_US (the
+// progress thread's switch; 0 turns both off), 200 µs when that is unset:
+// the driver costs nothing while no reduction by host is pending, unlike
+// the progress thread, which stays opt-in. Every advance, the
 // caller's or the driver's, holds the group's mutex, so each of the
 // group's communicators still sees one order of operations, the same on
 // every rank; the host and cross communicators carry nothing but the
@@ -86,7 +89,9 @@ class HierarchicalCommunicator : public Communicator {
   // ranks of one host contiguous or not.
   // `drive` > 0 starts a stage driver polling every `drive` (Note [Stages
   // advanced beside the caller]); the first form takes it from
-  // TESSERA_PROGRESS_US. Splits share the group's driver.
+  // TESSERA_PROGRESS_US (0: none), or kDefaultDrive when that is unset and
+  // MPI runs with MPI_THREAD_MULTIPLE. Splits share the group's driver.
+  static constexpr std::chrono::microseconds kDefaultDrive{200};
   static CommunicatorPtr wrap(CommunicatorPtr inner, int host);
   static CommunicatorPtr wrap(CommunicatorPtr inner, int host, std::chrono::microseconds drive);
   // Polls the group's stage driver has made; -1 without a driver (tests).
