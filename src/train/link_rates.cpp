@@ -77,6 +77,14 @@ double mean_over_ranks(double value, comm::Communicator& world) {
   return v.item<double>() / world.size();
 }
 
+std::vector<double> max_over_ranks(const std::vector<double>& values, comm::Communicator& world) {
+  at::Tensor v = at::tensor(values, at::kDouble);
+  comm::AllReduceOptions o;
+  o.op = comm::ReduceOp::kMax;
+  world.control()->all_reduce(v, o)->wait();
+  return std::vector<double>(v.data_ptr<double>(), v.data_ptr<double>() + v.numel());
+}
+
 MeasuredLinks measure_links(comm::Communicator& world, const context::HostMap& hosts) {
   MeasuredLinks links;
   links.nodes = hosts.hosts();

@@ -41,12 +41,12 @@ MeasuredRates measure_rates(const planner::ModelDesc& model, TrainModel serial, 
   std::vector<at::Tensor> tensors;
   for (const auto& p : params) tensors.push_back(p.second);
   // Forward + backward at `n` rows, and the optimizer step after it.
-  auto time_pass = [&](int64_t n, std::vector<double>* opt) {
+  auto time_pass = [&](int64_t n, std::vector<double>* opt, double* mean_pass) {
     // Tokens without the process's generator (as measured_matmul_flops).
     const at::Tensor x =
         at::arange(n * model.seq(), at::kLong).mul_(7919).remainder(model.vocab()).view({n, model.seq()});
     const at::Tensor y = x.roll(1, 1);
-    std::vector<double> pass;
+    std::vector<double> pass, own;
     for (int i = 0; i < 7; ++i) {
       barrier(world);
       const auto t0 = Clock::now();
@@ -56,23 +56,30 @@ MeasuredRates measure_rates(const planner::ModelDesc& model, TrainModel serial, 
       if (clip > 0) parallel::clip_grad_norm(tensors, clip);
       optimizer->step();
       const auto t2 = Clock::now();
+      const double mine = std::chrono::duration<double>(t1 - t0).count();
+      // Both times of the slowest rank (the step's collectives wait for it).
+      const auto slowest = max_over_ranks({mine, std::chrono::duration<double>(t2 - t1).count()}, world);
       if (i < 2) continue;  // warm-up
-      pass.push_back(std::chrono::duration<double>(t1 - t0).count());
-      if (opt) opt->push_back(std::chrono::duration<double>(t2 - t1).count());
+      pass.push_back(slowest[0]);
+      own.push_back(mine);
+      if (opt) opt->push_back(slowest[1]);
     }
-    return mean_over_ranks(median(pass), world);
+    if (mean_pass) *mean_pass = mean_over_ranks(median(own), world);
+    return median(pass);
   };
   // Two sizes separate the part of a pass that grows with the rows (the
   // rate) from the part that does not (the overhead per block).
   const int64_t big = std::max<int64_t>(2, rows);
   std::vector<double> opt;
-  const double t_big = time_pass(big, &opt), t_one = time_pass(1, nullptr);
+  double mean_big = 0;
+  const double t_big = time_pass(big, &opt, &mean_big), t_one = time_pass(1, nullptr, nullptr);
   const double per_row = std::max((t_big - t_one) / static_cast<double>(big - 1), 1e-12);
   const double e = bf16 ? 2.0 : 4.0, states = bf16 ? 12.0 : 8.0;
   MeasuredRates r;
   r.flops = model.flops_per_sequence() / per_row;
   r.block_overhead = std::max(0.0, t_one - per_row) / static_cast<double>(model.layers());
-  r.optimizer_bytes_s = (2 * states + 3 * e) * static_cast<double>(numel) / mean_over_ranks(median(opt), world);
+  r.slowest_over_mean = mean_big > 0 ? t_big / mean_big : 1.0;
+  r.optimizer_bytes_s = (2 * states + 3 * e) * static_cast<double>(numel) / median(opt);
   barrier(world);
   r.peak_flops = measured_matmul_flops();
   return r;
@@ -161,7 +168,9 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
     at::manual_seed(run.grid().seed());
     auto serial = std::make_shared<models::GPTImpl>(serial_cfg, nn::make_1d_factory(self, false, 1, 2));
     const auto by_name = optim::OptimizerByName().name(run.optimizer()).lr(run.lr()).weight_decay(run.weight_decay());
-    const OptimizerFactory make_optimizer = [by_name](const auto& named) { return optim::make_optimizer(by_name, named); };
+    const OptimizerFactory make_optimizer = [by_name](const auto& named) {
+      return optim::make_optimizer(by_name, named);
+    };
     rates = measure_rates(model, gpt_train_model(serial, run.precision()), make_optimizer,
                           std::max<int64_t>(1, run.batch() / world->size()), run.clip(), run.bf16(), *world);
   }
@@ -183,10 +192,11 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
     collectives =
         run.comm_bench().empty() ? "measured on these hosts" : collectives + " inside a host, measured across";
   log.print(
-      fmt::format("planner: {}, measured: {:.3g} GFLOP/s per rank for this GPT, {:.3g} ms per block "
-                  "and pass beside it, optimizer {:.3g} GB/s per rank, {} cores; collectives {}; overlap {}",
-                  links.nodes > 1 ? "these hosts" : "this machine", rates.flops / 1e9, 1e3 * rates.block_overhead,
-                  rates.optimizer_bytes_s / 1e9, cluster.compute_units,
+      fmt::format("planner: {}, measured: {:.3g} GFLOP/s per rank for this GPT (the slowest rank's passes, "
+                  "{:.3g}x the mean rank's), {:.3g} ms per block and pass beside it, optimizer {:.3g} GB/s per "
+                  "rank, {} cores; collectives {}; overlap {}",
+                  links.nodes > 1 ? "these hosts" : "this machine", rates.flops / 1e9, rates.slowest_over_mean,
+                  1e3 * rates.block_overhead, rates.optimizer_bytes_s / 1e9, cluster.compute_units,
                   links.nodes > 1 || collectives.empty() ? collectives : "from " + collectives, cluster.overlap));
   if (run.plan() == PlanMode::kFlags) {
     const planner::Plan p = planner::on_nodes(plan_of(run, world->size()), cluster.gpus_per_node);
@@ -206,7 +216,8 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
   if (r.best.empty()) {
     std::string msg = fmt::format("--plan auto: no plan of this GPT fits in {:.4g} GB per rank on {} ranks",
                                   cluster.memory_bytes / 1e9, world->size());
-    if (!r.over.empty()) msg += fmt::format("; the closest, {}, {}", r.over.front().plan.to_string(), r.over.front().why);
+    if (!r.over.empty())
+      msg += fmt::format("; the closest, {}, {}", r.over.front().plan.to_string(), r.over.front().why);
     TORCH_CHECK(false, msg, ". Raise --memory-gb or use more ranks");
   }
   log.print(planner::search_report(model, cluster, o, r, false));

@@ -19,6 +19,7 @@
 #include "tessera/planner/cluster.h"
 
 #include <map>
+#include <vector>
 
 namespace tessera {
 namespace train {
@@ -32,6 +33,8 @@ struct MeasuredLinks {
 // Collective over `world`: the mean over its ranks of a value each measured
 // (a time taken while all ran at once).
 double mean_over_ranks(double value, comm::Communicator& world);
+// Collective over `world`: each value's largest over its ranks.
+std::vector<double> max_over_ranks(const std::vector<double>& values, comm::Communicator& world);
 
 // Collective over `world`. One host: nothing measured. Several hosts: they
 // must hold equal numbers of ranks, filled host by host (rank r on host

@@ -21,7 +21,10 @@ namespace train {
 // The planner needs what this machine does with this model, not its peak:
 // every rank trains a serial copy of the GPT at once (so that the ranks
 // share the cores as they will in training) on one sequence and on `rows`;
-// the median forward + backward times give the FLOP rate (the planner's
+// each pass counts at its slowest rank's time, since in a step the others
+// wait for that rank at the first collective (8 ranks on 2 cores: 1.03x
+// their mean; train_gpt --plan logs the ratio); the median
+// forward + backward times give the FLOP rate (the planner's
 // FLOPs of the extra rows over the extra time) and the time per block that
 // does not grow with the rows (dispatch; what is left of one row's pass);
 // the median optimizer step (gradient clipping included, as the trainer
@@ -35,6 +38,7 @@ struct MeasuredRates {
   double optimizer_bytes_s = 0;  // per rank
   double peak_flops = 0;         // a dense matmul's, per rank (for MFU)
   double block_overhead = 0;     // seconds per block and pass that do not grow with the rows
+  double slowest_over_mean = 1;  // the slowest rank's pass over the mean rank's (for the log)
 };
 
 // Collective over `world`: times `serial` (a model on this rank alone).
