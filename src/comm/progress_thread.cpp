@@ -17,17 +17,21 @@ int stop_at_finalize(MPI_Comm, int, void* thread, void*) {
 
 }  // namespace
 
+void require_thread_multiple(std::chrono::microseconds interval, const char* what) {
+  int provided = MPI_THREAD_SINGLE;
+  TESSERA_MPI_CHECK(MPI_Query_thread(&provided));
+  TORCH_CHECK(provided == MPI_THREAD_MULTIPLE, "TESSERA_PROGRESS_US=", interval.count(), " asks for ", what,
+              " beside the caller's thread, which needs MPI_THREAD_MULTIPLE, but MPI was initialized with thread "
+              "level ",
+              provided,
+              "; let tessera::comm::MpiRuntime initialize MPI (it asks for MPI_THREAD_MULTIPLE), use an MPI built "
+              "with thread support, or set TESSERA_PROGRESS_US=0");
+}
+
 ProgressThread::ProgressThread(MPI_Comm comm, std::chrono::microseconds interval) : interval_(interval) {
   TORCH_CHECK(interval.count() > 0, "TESSERA_PROGRESS_US: the interval between probes must be > 0 microseconds, got ",
               interval.count());
-  int provided = MPI_THREAD_SINGLE;
-  TESSERA_MPI_CHECK(MPI_Query_thread(&provided));
-  TORCH_CHECK(provided == MPI_THREAD_MULTIPLE, "TESSERA_PROGRESS_US=", interval.count(),
-              " asks for a progress thread beside the caller's, which needs MPI_THREAD_MULTIPLE, but MPI was "
-              "initialized with thread level ",
-              provided,
-              "; let tessera::comm::MpiRuntime initialize MPI (it asks "
-              "for MPI_THREAD_MULTIPLE), use an MPI built with thread support, or unset TESSERA_PROGRESS_US");
+  require_thread_multiple(interval, "a progress thread");
   TESSERA_MPI_CHECK(MPI_Comm_dup(comm, &probe_));
   TESSERA_MPI_CHECK(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_at_finalize, &keyval_, nullptr));
   TESSERA_MPI_CHECK(MPI_Comm_set_attr(MPI_COMM_SELF, keyval_, this));

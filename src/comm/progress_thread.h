@@ -28,6 +28,10 @@ namespace tessera {
 namespace comm {
 namespace detail {
 
+// Throws, saying what to do, unless MPI runs with MPI_THREAD_MULTIPLE:
+// `what` (a thread that calls MPI beside the caller's) needs it.
+void require_thread_multiple(std::chrono::microseconds interval, const char* what);
+
 class ProgressThread {
  public:
   // Collective over `comm` (duplicates it). Throws, saying what to do, if MPI

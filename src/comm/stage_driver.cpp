@@ -1,6 +1,6 @@
 #include "stage_driver.h"
 
-#include "tessera/comm/mpi_check.h"
+#include "progress_thread.h"
 
 #include <c10/util/Exception.h>
 #include <mpi.h>
@@ -14,14 +14,7 @@ namespace detail {
 StageDriver::StageDriver(std::chrono::microseconds interval) : interval_(interval) {
   TORCH_CHECK(interval.count() > 0, "stage driver: the interval between polls must be > 0 microseconds, got ",
               interval.count());
-  int provided = MPI_THREAD_SINGLE;
-  TESSERA_MPI_CHECK(MPI_Query_thread(&provided));
-  TORCH_CHECK(provided == MPI_THREAD_MULTIPLE, "TESSERA_PROGRESS_US=", interval.count(),
-              " asks for a thread that advances the reductions by host beside the caller, which needs "
-              "MPI_THREAD_MULTIPLE, but MPI was initialized with thread level ",
-              provided,
-              "; let tessera::comm::MpiRuntime initialize MPI (it asks for MPI_THREAD_MULTIPLE), use an MPI built "
-              "with thread support, or unset TESSERA_PROGRESS_US");
+  require_thread_multiple(interval, "a stage driver for the reductions by host");
   thread_ = std::thread([this] { run(); });
 }
 

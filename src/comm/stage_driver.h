@@ -17,8 +17,8 @@ namespace detail {
 
 class StageDriver {
  public:
-  // Throws, saying what to do, unless MPI runs with MPI_THREAD_MULTIPLE
-  // (the driver calls MPI beside the caller).
+  // Throws unless MPI runs with MPI_THREAD_MULTIPLE (the driver calls MPI
+  // beside the caller): require_thread_multiple.
   explicit StageDriver(std::chrono::microseconds interval);
   ~StageDriver();
   StageDriver(const StageDriver&) = delete;
