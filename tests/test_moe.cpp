@@ -276,10 +276,13 @@ void expect_equal_to_serial(int ep, const Case& c, const std::string& spec, int 
 
 class MoELayer : public ::testing::TestWithParam<Case> {};
 
+// ep 1 (every expert on every rank, tokens data-parallel) runs at 1 to 3
+// ranks only: at 4 and 8 it would repeat what 2 and 3 ranks show.
 TEST_P(MoELayer, EqualsSerialIncludingFiveAdamWSteps) {
   const int n = test::world()->size();
   for (int ep : {1, 2, 3, 4, 8})
-    if (n % ep == 0 && experts_for(n, GetParam()) % ep == 0) expect_equal_to_serial(ep, GetParam(), "ddp");
+    if (n % ep == 0 && experts_for(n, GetParam()) % ep == 0 && (ep > 1 || n < 4))
+      expect_equal_to_serial(ep, GetParam(), "ddp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, MoELayer, ::testing::ValuesIn(kCases),
