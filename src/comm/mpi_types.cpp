@@ -64,13 +64,13 @@ int op_index(ReduceOp op) {
   TORCH_INTERNAL_ASSERT(false, "unhandled ReduceOp");
 }
 
+}  // namespace
+
 bool mpi_finalized() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   return finalized != 0;
 }
-
-}  // namespace
 
 MpiTypes::MpiTypes() {
   TESSERA_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &half_type_));

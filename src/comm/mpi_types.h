@@ -10,6 +10,9 @@
 namespace tessera {
 namespace comm {
 
+// MPI_Finalized, for code that may run after it: no MPI call is allowed then.
+bool mpi_finalized();
+
 // Owns the derived datatypes and user-defined ops. One instance is shared by a
 // communicator and every communicator split from it; it frees its handles when
 // the last one goes, unless MPI has already been finalized.

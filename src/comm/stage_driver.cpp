@@ -1,5 +1,6 @@
 #include "stage_driver.h"
 
+#include "mpi_types.h"
 #include "progress_thread.h"
 
 #include <c10/util/Exception.h>
@@ -47,8 +48,7 @@ void StageDriver::run() {
     }
     // A pending operation at MPI_Finalize is its owner's error; polling it
     // then would be this thread's.
-    int finalized = 0;
-    MPI_Finalized(&finalized);
+    const bool finalized = mpi_finalized();
     std::vector<std::function<bool()>> again;
     for (auto& poll : polling) {
       bool done = true;

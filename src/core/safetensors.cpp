@@ -16,7 +16,7 @@ namespace {
 
 using Json = nlohmann::json;
 
-const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
+const std::vector<std::pair<at::ScalarType, const char*>>& safetensors_dtypes() {
   static const std::vector<std::pair<at::ScalarType, const char*>> names = {
       {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"}, {at::kLong, "I64"},
       {at::kInt, "I32"},   {at::kShort, "I16"},  {at::kChar, "I8"},       {at::kByte, "U8"},  {at::kBool, "BOOL"}};
@@ -25,14 +25,14 @@ const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
 
 constexpr const char* kChecksumKey = "tessera.hash64.";
 
-const char* dtype_name(at::ScalarType t) {
-  for (const auto& [type, name] : dtype_names())
+const char* safetensors_dtype(at::ScalarType t) {
+  for (const auto& [type, name] : safetensors_dtypes())
     if (type == t) return name;
   TORCH_CHECK(false, "safetensors: cannot store dtype ", t);
 }
 
 at::ScalarType dtype_of(const std::string& name, const std::string& path) {
-  for (const auto& [type, n] : dtype_names())
+  for (const auto& [type, n] : safetensors_dtypes())
     if (name == n) return type;
   TORCH_CHECK(false, "safetensors: ", path, " has a tensor of dtype '", name, "', which tessera does not read");
 }
@@ -49,8 +49,9 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
     TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' given twice");
     at::Tensor c = t.detach().to(at::kCPU).contiguous();
     const int64_t bytes = c.numel() * static_cast<int64_t>(c.element_size());
-    header[name] = {
-        {"dtype", dtype_name(c.scalar_type())}, {"shape", c.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {{"dtype", safetensors_dtype(c.scalar_type())},
+                    {"shape", c.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     meta[kChecksumKey + name] = fmt::format("{:016x}", hash_bytes(c.data_ptr(), static_cast<size_t>(bytes)));
     data.push_back(std::move(c));

@@ -3,6 +3,7 @@
 #include "core/json_int.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -44,12 +45,6 @@ int64_t check_extent(const std::string& dir, const std::vector<int64_t>& length,
     numel *= length[d];
   }
   return numel;
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 }  // namespace
@@ -197,7 +192,7 @@ at::Tensor CheckpointReader::region(const std::string& name, const std::vector<i
     }
     if (!overlaps && nd > 0) continue;
     // The rows (dimension 0 of the piece's region) its flat range touches.
-    const int64_t region_numel = numel_of(p.length);
+    const int64_t region_numel = c10::multiply_integers(p.length);
     const int64_t row = nd == 0 ? 1 : std::max<int64_t>(1, region_numel / std::max<int64_t>(p.length[0], 1));
     const int64_t begin = p.flat_end < 0 ? 0 : p.flat_begin;
     const int64_t end = p.flat_end < 0 ? region_numel : p.flat_end;
@@ -253,7 +248,7 @@ std::vector<CheckpointReader::StoredPiece> CheckpointReader::stored_pieces(const
     s.location = file(s.path).location(p.key);
     s.offset = p.offset;
     s.length = p.length;
-    const int64_t region = numel_of(p.length);
+    const int64_t region = c10::multiply_integers(p.length);
     s.flat_begin = p.flat_end < 0 ? 0 : p.flat_begin;
     s.flat_end = p.flat_end < 0 ? region : p.flat_end;
     const int64_t elements = s.location.bytes / static_cast<int64_t>(c10::elementSize(s.location.dtype));

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -45,12 +46,6 @@ std::string read_text(const std::string& path) {
 std::string strip_model(const std::string& name) {
   const std::string p = kModelPrefix;
   return name.compare(0, p.size(), p) == 0 ? name.substr(p.size()) : std::string();
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 // The Hugging Face box of part `p` of `entry` that holds tessera rows
@@ -319,7 +314,7 @@ std::vector<std::vector<std::string>> plan_shards(const std::map<std::string, st
   int64_t in_shard = 0;
   total = 0;
   for (const auto& [name, shape] : shapes) {
-    const int64_t bytes = numel_of(shape) * element;
+    const int64_t bytes = c10::multiply_integers(shape) * element;
     if (!shards.back().empty() && in_shard + bytes > limit) shards.emplace_back(), in_shard = 0;
     shards.back().push_back(name);
     in_shard += bytes, total += bytes;

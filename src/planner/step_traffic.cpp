@@ -24,7 +24,6 @@ using comm::OpType;
 using context::ParallelMode;
 using context::TensorMode;
 using detail::pad_to;
-const auto& mname = detail::mode_group;
 
 double element_bytes(const Plan& plan) { return plan.bf16 ? 2.0 : 4.0; }
 
@@ -209,19 +208,20 @@ void data_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Traffic
   const bool prefetched = !(model.tied() && c.pipeline() == 1);
   if (c.sequence() > 1) {
     const int n = c.data() * c.sequence();
-    sharded_traffic(plan, ParallelMode::kDataSequence, mname(ParallelMode::kDataSequence), n, lp.dense, gathers,
-                    units, prefetched, out);
+    sharded_traffic(plan, ParallelMode::kDataSequence, detail::mode_group(ParallelMode::kDataSequence), n, lp.dense,
+                    gathers, units, prefetched, out);
   } else {
-    sharded_traffic(plan, ParallelMode::kData, mname(ParallelMode::kData), c.data(), lp.dense, gathers, units,
-                    prefetched, out);
+    sharded_traffic(plan, ParallelMode::kData, detail::mode_group(ParallelMode::kData), c.data(), lp.dense, gathers,
+                    units, prefetched, out);
   }
   if (lp.expert > 0)
-    sharded_traffic(plan, ParallelMode::kExpertData, mname(ParallelMode::kExpertData), c.data() / c.expert(), lp.expert,
-                    expert_gathers, static_cast<double>(model.moe_blocks()), prefetched, out);
+    sharded_traffic(plan, ParallelMode::kExpertData, detail::mode_group(ParallelMode::kExpertData),
+                    c.data() / c.expert(), lp.expert, expert_gathers, static_cast<double>(model.moe_blocks()),
+                    prefetched, out);
   const parallel::ShardDegrees d = plan.spec.resolve(c.data());
   for (const auto& [mode, numel] : lp.partial) {
     const int n = context::RankGrid(c, plan.world()).group_size(mode);
-    out.add("partial", mode, mname(mode), n, OpType::kAllReduce, 1, numel / d.grads, element_bytes(plan));
+    out.add("partial", mode, detail::mode_group(mode), n, OpType::kAllReduce, 1, numel / d.grads, element_bytes(plan));
   }
 }
 
@@ -236,7 +236,7 @@ void pipeline_traffic(const ModelDesc& model, const Plan& plan, int pp_rank, Tra
   const double split = c.sequence() * (c.tensor_mode() == TensorMode::k1D ? 1 : c.tensor());
   const double act = rows * model.seq() * model.hidden() / split;
   const double m = static_cast<double>(plan.micro_batches), e = element_bytes(plan);
-  const std::string g = mname(ParallelMode::kPipeline);
+  const std::string g = detail::mode_group(ParallelMode::kPipeline);
   for (const StageShape& st : stages_of(model, plan, pp_rank)) {
     // Hand-overs between two stages of one rank are local (the interleaved
     // wrap-around with pp 1, the V's turn on rank pp - 1).
@@ -340,7 +340,7 @@ void place(Traffic& traffic, const Plan& plan, int gpus_per_node, int global_ran
 }
 
 void route_through_hosts(Traffic& traffic, const Plan& plan) {
-  const std::string data = mname(ParallelMode::kData);
+  const std::string data = detail::mode_group(ParallelMode::kData);
   const double e = element_bytes(plan);
   Traffic routed;
   std::vector<Collective> kept;

@@ -19,7 +19,6 @@ using comm::OpType;
 using context::ParallelMode;
 using context::TensorMode;
 using detail::pad_to;
-const auto& mname = detail::mode_group;
 
 // Tokens of one micro-batch that one rank's layers see, and the hidden width they hold.
 double tokens(const TrafficInput& in) { return in.rows * in.model.seq() / in.plan.grid.sequence(); }
@@ -125,7 +124,7 @@ int64_t moe_blocks_of(const TrafficInput& in) {
 void tensor_traffic_1d(const TrafficInput& in, Traffic& out) {
   const int tp = in.plan.grid.tensor();
   const double T = tokens(in), h = static_cast<double>(in.model.hidden());
-  const std::string g = mname(ParallelMode::kTensor);
+  const std::string g = detail::mode_group(ParallelMode::kTensor);
   // A group of one skips the layers' sums but not the loss's.
   const double calls =
       tp == 1 ? 0
@@ -158,18 +157,19 @@ void grid_traffic(const TrafficInput& in, Traffic& out, bool deep) {
   const ParallelMode row = deep ? ParallelMode::k2p5DRow : ParallelMode::k2DRow;
   const ParallelMode col = deep ? ParallelMode::k2p5DCol : ParallelMode::k2DCol;
   const double e = in.act_bytes;
-  out.add("tensor", row, mname(row), q, OpType::kBroadcast, 1, 2 * q * acts, e);
-  out.add("tensor", row, mname(row), q, OpType::kReduce, 1, q * acts, e);
-  out.add("tensor", row, mname(row), q, OpType::kAllReduce, 1, 2 * stats * L * T + (head ? (stats + 3) * T : 0), 4);
-  out.add("tensor", col, mname(col), q, OpType::kBroadcast, 1, 2 * q * weights, e);
-  out.add("tensor", col, mname(col), q, OpType::kReduce, 1, q * weights, e);
+  out.add("tensor", row, detail::mode_group(row), q, OpType::kBroadcast, 1, 2 * q * acts, e);
+  out.add("tensor", row, detail::mode_group(row), q, OpType::kReduce, 1, q * acts, e);
+  out.add("tensor", row, detail::mode_group(row), q, OpType::kAllReduce, 1,
+          2 * stats * L * T + (head ? (stats + 3) * T : 0), 4);
+  out.add("tensor", col, detail::mode_group(col), q, OpType::kBroadcast, 1, 2 * q * weights, e);
+  out.add("tensor", col, detail::mode_group(col), q, OpType::kReduce, 1, q * weights, e);
   if (embed) {
-    out.add("tensor", col, mname(col), q, OpType::kReduceScatter, 1, q * T * H, e);
-    out.add("tensor", col, mname(col), q, OpType::kAllGather, 1, q * T * H, e);
+    out.add("tensor", col, detail::mode_group(col), q, OpType::kReduceScatter, 1, q * T * H, e);
+    out.add("tensor", col, detail::mode_group(col), q, OpType::kAllGather, 1, q * T * H, e);
   }
   if (head) {
     const ParallelMode xz = deep ? ParallelMode::k2p5DXZ : col;
-    out.add("tensor", xz, mname(xz), deep ? q * d : q, OpType::kAllReduce, 1, 1, 4);
+    out.add("tensor", xz, detail::mode_group(xz), deep ? q * d : q, OpType::kAllReduce, 1, 1, 4);
   }
 }
 
@@ -197,20 +197,22 @@ void tensor_traffic_3d(const TrafficInput& in, Traffic& out) {
     products += static_cast<double>(l.in) * l.out;
   }
   for (OpType op : {OpType::kAllGather, OpType::kReduceScatter}) {
-    out.add("tensor", ParallelMode::k3DInput, mname(ParallelMode::k3DInput), q, op, 1,
+    out.add("tensor", ParallelMode::k3DInput, detail::mode_group(ParallelMode::k3DInput), q, op, 1,
             (L * on_input + ((embed ? 1 : 0) + (head ? 1 : 0)) * h) * T, e);
-    out.add("tensor", ParallelMode::k3DOutput, mname(ParallelMode::k3DOutput), q, op, 1,
+    out.add("tensor", ParallelMode::k3DOutput, detail::mode_group(ParallelMode::k3DOutput), q, op, 1,
             L * T * on_output + (head ? T * Vp : 0), e);
-    out.add("tensor", ParallelMode::k3DWeight, mname(ParallelMode::k3DWeight), q, op, 1,
+    out.add("tensor", ParallelMode::k3DWeight, detail::mode_group(ParallelMode::k3DWeight), q, op, 1,
             (L * products + ((embed ? 1 : 0) + (head ? 1 : 0)) * Vp * h) / (q * q), e);
   }
   const double stats = in.model.rms_norm() ? 2 : 4;  // as grid_traffic's
-  if (head) out.add("tensor", ParallelMode::k3DInput, mname(ParallelMode::k3DInput), q, OpType::kAllReduce, 1, 3 * T, 4);
-  out.add("tensor", ParallelMode::k3DOutput, mname(ParallelMode::k3DOutput), q, OpType::kAllReduce, 1,
+  if (head)
+    out.add("tensor", ParallelMode::k3DInput, detail::mode_group(ParallelMode::k3DInput), q, OpType::kAllReduce, 1,
+            3 * T, 4);
+  out.add("tensor", ParallelMode::k3DOutput, detail::mode_group(ParallelMode::k3DOutput), q, OpType::kAllReduce, 1,
           2 * stats * L * T + (head ? stats * T : 0), 4);
   if (head)
-    out.add("tensor", ParallelMode::k3DOutputWeight, mname(ParallelMode::k3DOutputWeight), q * q, OpType::kAllReduce,
-            1, 1, 4);
+    out.add("tensor", ParallelMode::k3DOutputWeight, detail::mode_group(ParallelMode::k3DOutputWeight), q * q,
+            OpType::kAllReduce, 1, 1, 4);
 }
 
 namespace {
@@ -223,7 +225,8 @@ void sequence_common(const TrafficInput& in, Traffic& out) {
   // the vocabulary-parallel cross entropy's sums on the tensor group.
   if (!in.stage.head) return;
   const int sp = in.plan.grid.sequence();
-  out.add("sequence", ParallelMode::kSequence, mname(ParallelMode::kSequence), sp, OpType::kAllReduce, 1, 1, 4);
+  out.add("sequence", ParallelMode::kSequence, detail::mode_group(ParallelMode::kSequence), sp, OpType::kAllReduce, 1,
+          1, 4);
 }
 }  // namespace
 
@@ -232,7 +235,7 @@ void sequence_common(const TrafficInput& in, Traffic& out) {
 void sequence_traffic_ulysses(const TrafficInput& in, Traffic& out) {
   const int sp = in.plan.grid.sequence();
   const double E = sequence_e(in);
-  out.add("sequence", ParallelMode::kSequence, mname(ParallelMode::kSequence), sp, OpType::kAllToAll,
+  out.add("sequence", ParallelMode::kSequence, detail::mode_group(ParallelMode::kSequence), sp, OpType::kAllToAll,
           8.0 * in.stage.blocks, E, in.act_bytes);
   sequence_common(in, out);
 }
@@ -244,7 +247,7 @@ void sequence_traffic_ring(const TrafficInput& in, Traffic& out) {
   const int sp = in.plan.grid.sequence();
   const double E = sequence_e(in), per_block = (3.0 * sp - 2) * E;
   for (OpType op : {OpType::kSend, OpType::kRecv})
-    out.add("sequence", ParallelMode::kSequence, mname(ParallelMode::kSequence), sp, op, in.stage.blocks,
+    out.add("sequence", ParallelMode::kSequence, detail::mode_group(ParallelMode::kSequence), sp, op, in.stage.blocks,
             2 * per_block, in.act_bytes);
   sequence_common(in, out);
 }
@@ -256,11 +259,11 @@ void sequence_traffic_ring(const TrafficInput& in, Traffic& out) {
 void sequence_traffic_hybrid(const TrafficInput& in, Traffic& out) {
   const int u = in.plan.grid.sequence_ulysses(), r = in.plan.grid.sequence() / u;
   const double E = sequence_e(in), per_block = (3.0 * r - 2) * E;
-  out.add("sequence", ParallelMode::kSequenceUlysses, mname(ParallelMode::kSequenceUlysses), u, OpType::kAllToAll,
-          8.0 * in.stage.blocks, E, in.act_bytes);
+  out.add("sequence", ParallelMode::kSequenceUlysses, detail::mode_group(ParallelMode::kSequenceUlysses), u,
+          OpType::kAllToAll, 8.0 * in.stage.blocks, E, in.act_bytes);
   for (OpType op : {OpType::kSend, OpType::kRecv})
-    out.add("sequence", ParallelMode::kSequenceRing, mname(ParallelMode::kSequenceRing), r, op, in.stage.blocks,
-            2 * per_block, in.act_bytes);
+    out.add("sequence", ParallelMode::kSequenceRing, detail::mode_group(ParallelMode::kSequenceRing), r, op,
+            in.stage.blocks, 2 * per_block, in.act_bytes);
   sequence_common(in, out);
 }
 
@@ -271,8 +274,8 @@ void sequence_traffic_rsa(const TrafficInput& in, Traffic& out) {
   const int sp = in.plan.grid.sequence();
   const double E = sequence_e(in), per_block = (6.0 * sp - 4) * E;
   for (OpType op : {OpType::kSend, OpType::kRecv})
-    out.add("sequence", ParallelMode::kSequence, mname(ParallelMode::kSequence), sp, op, in.stage.blocks, per_block,
-            in.act_bytes);
+    out.add("sequence", ParallelMode::kSequence, detail::mode_group(ParallelMode::kSequence), sp, op, in.stage.blocks,
+            per_block, in.act_bytes);
   sequence_common(in, out);
 }
 
@@ -289,21 +292,21 @@ void expert_traffic(const TrafficInput& in, Traffic& out) {
   const ParallelMode tokens_mode = detail::rank_grid(c).token_mode();
   const int token_ranks = c.data() * c.sequence();
   if (token_ranks > 1)
-    out.add("expert", tokens_mode, mname(tokens_mode), token_ranks, OpType::kAllReduce, static_cast<double>(moe),
-            2.0 * in.model.experts() + 3, 8);
+    out.add("expert", tokens_mode, detail::mode_group(tokens_mode), token_ranks, OpType::kAllReduce,
+            static_cast<double>(moe), 2.0 * in.model.experts() + 3, 8);
   const double rows = tokens(in) * in.model.top_k();
   // Expert tensor parallelism (Note [Expert tensor parallelism]): the rows
   // a rank's experts ran summed over the tensor group forward (their mean:
   // what a rank sends, dropless), the tokens' gradient backward.
   if (in.plan.expert_tensor_parallel && c.tensor() > 1) {
-    const std::string t = mname(ParallelMode::kTensor);
+    const std::string t = detail::mode_group(ParallelMode::kTensor);
     for (double n : {rows, tokens(in)})
       out.add("expert", ParallelMode::kTensor, t, c.tensor(), OpType::kAllReduce, static_cast<double>(moe),
               n * in.model.hidden(), in.act_bytes);
   }
   const int ep = c.expert();
   if (ep == 1) return;
-  const std::string g = mname(ParallelMode::kExpert);
+  const std::string g = detail::mode_group(ParallelMode::kExpert);
   out.add("expert", ParallelMode::kExpert, g, ep, OpType::kAllToAll, 4.0 * moe, rows * in.model.hidden(),
           in.act_bytes);
   out.add("expert", ParallelMode::kExpert, g, ep, OpType::kAllToAll, static_cast<double>(moe),

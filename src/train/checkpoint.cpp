@@ -6,6 +6,7 @@
 #include "tessera/core/safetensors.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -38,12 +39,6 @@ Json describe(const TensorPiece& p) {
 std::string piece_key(const Json& d) {
   return fmt::format("{}|{}|{}|{}|{}", d["name"].get<std::string>(), d["offset"].dump(), d["length"].dump(),
                      d["flat"][0].get<int64_t>(), d["flat"][1].get<int64_t>());
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 std::string file_name(int rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
@@ -92,7 +87,7 @@ void save_checkpoint(const std::string& dir, const std::vector<TensorPiece>& pie
     TORCH_CHECK(p.offset.size() == p.length.size() && (p.offset.empty() || p.offset.size() == p.full_shape.size()),
                 "save_checkpoint: piece of '", p.name, "' has a region of ", p.offset.size(), " offsets and ",
                 p.length.size(), " lengths for a tensor of ", p.full_shape.size(), " dimensions");
-    const int64_t region = numel_of(p.offset.empty() ? p.full_shape : p.length);
+    const int64_t region = c10::multiply_integers(p.offset.empty() ? p.full_shape : p.length);
     const int64_t expect = p.flat_end < 0 ? region : p.flat_end - p.flat_begin;
     TORCH_CHECK(p.data.defined() && p.data.numel() == expect, "save_checkpoint: piece of '", p.name, "' holds ",
                 p.data.defined() ? p.data.numel() : 0, " elements where its description says ", expect);

@@ -3,6 +3,7 @@
 #include "tessera/comm/agree.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -14,12 +15,6 @@ namespace train {
 namespace {
 
 using Json = nlohmann::json;
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
-}
 
 Json box_json(const PieceBox& b) { return {{"o", b.offset}, {"l", b.length}, {"b", b.begin}, {"e", b.end}}; }
 
@@ -69,7 +64,8 @@ bool intersect(const PieceBox& a, const PieceBox& b, std::vector<int64_t>& offse
     int64_t hi = std::min(a.offset[d] + a.length[d], b.offset[d] + b.length[d]);
     if (d == 0) {
       for (const PieceBox* p : {&a, &b}) {
-        const int64_t row = std::max<int64_t>(1, numel_of(p->length) / std::max<int64_t>(1, p->length[0]));
+        const int64_t row =
+            std::max<int64_t>(1, c10::multiply_integers(p->length) / std::max<int64_t>(1, p->length[0]));
         lo = std::max(lo, p->offset[0] + p->begin / row);
         hi = std::min(hi, p->offset[0] + (p->end + row - 1) / row);
       }
@@ -90,11 +86,11 @@ Overlap overlap(const PieceBox& a, const PieceBox& b) {
     return o;
   }
   if (!intersect(a, b, o.offset, o.length)) return o;
-  const bool whole_a = a.begin == 0 && a.end == numel_of(a.length);
-  const bool whole_b = b.begin == 0 && b.end == numel_of(b.length);
+  const bool whole_a = a.begin == 0 && a.end == c10::multiply_integers(a.length);
+  const bool whole_b = b.begin == 0 && b.end == c10::multiply_integers(b.length);
   if (whole_a && whole_b) {
     o.path = Path::kBox;
-    o.count = numel_of(o.length);
+    o.count = c10::multiply_integers(o.length);
     return o;
   }
   const at::Tensor fa = flat_indices(a, o.offset, o.length), fb = flat_indices(b, o.offset, o.length);
@@ -192,7 +188,7 @@ PieceBox box_of(const std::vector<int64_t>& full_shape, const std::vector<int64_
   TORCH_CHECK(b.offset.size() == full_shape.size() && b.length.size() == full_shape.size(),
               "a piece's region has ", b.offset.size(), " offsets and ", b.length.size(), " lengths for a tensor of ",
               full_shape.size(), " dimensions");
-  const int64_t n = numel_of(b.length);
+  const int64_t n = c10::multiply_integers(b.length);
   b.begin = flat_end < 0 ? 0 : flat_begin;
   b.end = flat_end < 0 ? n : flat_end;
   TORCH_CHECK(b.begin >= 0 && b.begin <= b.end && b.end <= n, "a piece's flat range [", b.begin, ", ", b.end,
