@@ -20,6 +20,9 @@
 //                           each expert size runs both by default
 //   rows_routed, rows_computed  rows the experts were routed and ran in the
 //                           timed steps' last forward, all ranks and layers
+//   busiest_rows_routed, busiest_rows_computed  the same for the rank that
+//                           ran the most rows: the step waits for it, so
+//                           its computed over routed is what padding costs
 //   expert_gflop            the experts' matmul FLOPs of one step (forward
 //                           and backward, 6 per weight and row computed),
 //                           padding included, against expert_gflop_routed
@@ -214,14 +217,17 @@ int run(const Args& a) {
     const double active =
         dense ? params
               : params - static_cast<double>(moe_layers) * static_cast<double>(a.experts - a.top_k) * mlp_params;
-    // The rows the experts ran in the last forward, summed over layers and ranks.
+    // The rows the experts ran in the last forward, summed over layers, per rank.
     at::Tensor expert_rows = at::zeros({2}, at::kDouble);
     for (const auto& st : r.gpt->moe_stats()) {
       expert_rows[0] += static_cast<double>(st.rows_routed);
       expert_rows[1] += static_cast<double>(st.rows_computed);
     }
-    world->all_reduce(expert_rows);
-    const double routed = expert_rows[0].item<double>(), computed = expert_rows[1].item<double>();
+    at::Tensor rank_rows = at::empty({n, 2}, at::kDouble);
+    world->all_gather(rank_rows, expert_rows);
+    const at::Tensor all_rows = rank_rows.sum(0);
+    const at::Tensor busiest = rank_rows[rank_rows.select(1, 1).argmax().item<int64_t>()];
+    const double routed = all_rows[0].item<double>(), computed = all_rows[1].item<double>();
     const double expert_flops_per_row = 6.0 * 8.0 * static_cast<double>(h * h);  // c_fc and c_proj, 4h wide
     if (rank == 0) {
       fmt::print(
@@ -230,13 +236,14 @@ int run(const Args& a) {
           "\"expert_compute\": "
           "\"{}\", \"step_ms\": {:.2f}, \"tokens_per_s\": {:.1f}, \"a2a_calls\": {}, \"a2a_bytes\": {}, "
           "\"a2a_balanced_bytes\": {:.0f}, \"max_over_mean\": {:.3f}, \"rows_routed\": {:.0f}, \"rows_computed\": "
-          "{:.0f}, \"expert_gflop\": {:.4f}, \"expert_gflop_routed\": {:.4f}, \"params\": {:.0f}, "
+          "{:.0f}, \"busiest_rows_routed\": {:.0f}, \"busiest_rows_computed\": {:.0f}, \"expert_gflop\": {:.4f}, "
+          "\"expert_gflop_routed\": {:.4f}, \"params\": {:.0f}, "
           "\"active_params\": {:.0f}, \"initial_loss\": {:.6f}}}\n",
           dense ? "dense" : "moe", a.layers, a.hidden, a.heads, a.seq, a.batch, a.vocab, n, dense ? 0 : ep,
           dense ? 0 : a.experts, a.top_k, a.moe_every, a.capacity, a.skew, dense ? "" : compute.first, step_ms,
           a.batch * a.seq / (step_ms / 1000.0), a2a.calls, a2a.bytes, balanced, dense ? 0.0 : max_over_mean(*r.gpt),
-          routed, computed, computed * expert_flops_per_row / 1e9, routed * expert_flops_per_row / 1e9, params, active,
-          initial);
+          routed, computed, busiest[0].item<double>(), busiest[1].item<double>(), computed * expert_flops_per_row / 1e9,
+          routed * expert_flops_per_row / 1e9, params, active, initial);
       std::fflush(stdout);
     }
   }
