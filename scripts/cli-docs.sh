@@ -2,10 +2,16 @@
 # Writes docs/cli.md from the commands' own option tables (each command's
 # --help-markdown), so that the page says what --help says.
 #
-#   scripts/cli-docs.sh BUILD_DIR [OUT]      OUT defaults to docs/cli.md
+#   scripts/cli-docs.sh BUILD_DIR [OUT] [PARTS]
+#
+# OUT defaults to docs/cli.md. PARTS, a directory, also gets each command's
+# table as PARTS/NAME.md: the help.* tests read it there instead of
+# starting each command once more.
 set -euo pipefail
-build=${1:?usage: scripts/cli-docs.sh BUILD_DIR [OUT]}
+build=${1:?usage: scripts/cli-docs.sh BUILD_DIR [OUT] [PARTS]}
 out=${2:-$(dirname "$0")/../docs/cli.md}
+parts=${3:-}
+[[ -n "$parts" ]] && mkdir -p "$parts"
 commands=(examples/train_gpt examples/tessera_generate examples/tessera_plan examples/tessera_consolidate examples/tessera_export_hf examples/tessera_trace
   examples/tessera_demo examples/train_cnn examples/train_cnn_single examples/train_fashion_mnist
   bench/comm_bench bench/gpt_step bench/dp_step bench/pipeline bench/tp_modes bench/sequence bench/moe
@@ -27,7 +33,12 @@ The benchmarks (bench/) are installed under `libexec/tessera/bench`.
 HEAD
   for c in "${commands[@]}"; do
     printf '\n'
-    "$build/$c" --help-markdown
+    if [[ -n "$parts" ]]; then
+      "$build/$c" --help-markdown > "$parts/$(basename "$c").md"
+      cat "$parts/$(basename "$c").md"
+    else
+      "$build/$c" --help-markdown
+    fi
   done
 } > "$out.tmp"
 mv "$out.tmp" "$out"
