@@ -1,7 +1,8 @@
 // Uses the installed tessera through its umbrella header: a 2-rank job that
 // builds a ParallelContext and all-reduces over its data group.
 #include <tessera/tessera.h>
-#include <torch/torch.h>
+
+#include <ATen/ATen.h>
 
 #include <cstdio>
 
