@@ -39,6 +39,9 @@ LinkProbe name_slow_host(const std::vector<std::vector<double>>& pair_seconds, d
   return out;
 }
 
+// Each pair's exchanges, the fastest kept (Note [Slow links]).
+constexpr int kExchanges = 3;
+
 LinkProbe probe_links(comm::Communicator& world, const context::HostMap& hosts, int64_t bytes, double factor) {
   const int n = world.size(), h = hosts.hosts(), me = world.rank();
   TORCH_CHECK(h >= 2, "link probe: the run is on one host; there is no link between hosts to probe");
@@ -64,7 +67,7 @@ LinkProbe probe_links(comm::Communicator& world, const context::HostMap& hosts, 
       if (b == my_host) partner = a;
     }
     if (partner >= h) partner = -1;  // the bye
-    for (int rep = 0; rep < 2; ++rep) {
+    for (int rep = 0; rep < kExchanges; ++rep) {
       control->barrier()->wait();
       if (!leads || partner < 0) continue;
       const int peer = leader[static_cast<size_t>(partner)];

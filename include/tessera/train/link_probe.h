@@ -8,14 +8,16 @@
 // the links directly: the lowest rank of each host exchanges `bytes` with
 // the lowest rank of every other host, both ways at once, host pairs in
 // rounds where each host is in one pair (the circle method), so a round's
-// pairs share no link; each pair twice, the faster kept. A host's time is
-// its fastest exchange: a slow link slows all of a host's exchanges, while
-// a host with a good link has at least one fast partner when two or more
-// hosts have good links. The slow host is the one whose time exceeds
+// pairs share no link; each pair three times, the fastest kept (with two,
+// a clean host on cores the ranks share lost all four of its exchanges to
+// scheduling once: named at 2.1x, in a suite where the test ran alone).
+// A host's time is its fastest exchange: a slow link slows all of a
+// host's exchanges, while a host with a good link has at least one fast
+// partner when two or more hosts have good links. The slow host is the one whose time exceeds
 // `factor` × the median host's (the lower median). With two hosts both
 // share the one path and neither can be told from the other: the probe
 // reports their times and names no host. Run between steps: it moves
-// 2 · bytes per host pair and round over the world's control channel.
+// 3 · 2 · bytes per host pair and round over the world's control channel.
 #include "tessera/comm/communicator.h"
 #include "tessera/context/hosts.h"
 
