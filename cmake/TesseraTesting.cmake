@@ -134,14 +134,12 @@ function(tessera_finish_tests)
     # that wants more than N run alone), so one-rank tests pair up and an
     # 8-rank test has the machine. Refusals end before any work, and the
     # install test mostly compiles one file: one slot.
-    # Tests that measure time run alone (those that measure memory read
-    # their own process's peak resident size, which others do not move);
-    # tests that start ranks of their own take every core (a `waits` test
-    # may run beside them). Those
+    # Tests that measure time or memory run alone; tests that start ranks of
+    # their own take every core (a `waits` test may run beside them). Those
     # labelled `waits` spend most of their time waiting for a timeout or an
     # abort they provoked, so they take one slot beside another test (their
     # checks allow tens of seconds: a busy core does not move them).
-    if(labels MATCHES "(^|;)timing(;|$)")
+    if(labels MATCHES "(^|;)(timing|memory)(;|$)")
       set_tests_properties(${t} PROPERTIES RUN_SERIAL TRUE)
     elseif(labels MATCHES "(^|;)waits(;|$)")
       set_tests_properties(${t} PROPERTIES PROCESSORS 1 RESOURCE_GROUPS "waits:1")
