@@ -2,14 +2,14 @@
 # A command's --help, --version and refusal of an unknown option:
 #   check_help.sh COMMAND [MARKDOWN]
 # --help exits 0 and names every option of the command's table (as
-# --help-markdown lists them, or the file MARKDOWN holds: the test cli_docs
-# writes it, saving a start of the command); --version names tessera;
+# --help-markdown lists them, or the file MARKDOWN holds: the test
+# cli_tables writes it, saving a start of the command); --version names tessera;
 # --no-such-option exits non-zero naming itself and the closest valid option.
 set -uo pipefail
 cmd=$1
 help=$("$cmd" --help) || { echo "FAIL: $cmd --help exited $?"; exit 1; }
 if [ -n "${2:-}" ]; then
-  md=$(cat "$2") || { echo "FAIL: no $2 (the test cli_docs writes it)"; exit 1; }
+  md=$(cat "$2") || { echo "FAIL: no $2 (the test cli_tables writes it)"; exit 1; }
 else
   md=$("$cmd" --help-markdown) || { echo "FAIL: $cmd --help-markdown exited $?"; exit 1; }
 fi
