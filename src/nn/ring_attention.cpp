@@ -38,9 +38,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const int64_t tile = ring_tile_tokens(q.size(0) * q.size(1));
     const auto queries = detail::tiles_of(chunks_of(layout, seq_len, layout.rank()), tile);
     detail::OnlineSoftmax softmax(qc);
-    comm::ring_pass(*group, kv, [&](int src, const at::Tensor& block) {
+    comm::ring_pass(*group, kv, [&](int src, const at::Tensor& block, const comm::RingProgress& progress) {
       const detail::BlockDropout dropout{drop, static_cast<uint64_t>(drop_seed), src};
-      softmax.extend(qc, block, queries, detail::tiles_of(chunks_of(layout, seq_len, src), tile), dropout);
+      softmax.extend(qc, block, queries, detail::tiles_of(chunks_of(layout, seq_len, src), tile), dropout, progress);
     });
     const auto [out, lse] = softmax.finish();
     ctx->save_for_backward({qc, kv, out, lse});
@@ -73,11 +73,13 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     at::Tensor dq = at::zeros_like(qc);
     const int64_t tile = ring_tile_tokens(qc.size(0) * qc.size(1));
     const auto queries = detail::tiles_of(chunks_of(layout, seq_len, layout.rank()), tile);
-    at::Tensor dkv = comm::ring_pass_reduce(*g->group, kv, [&](int src, const at::Tensor& block) {
-      const detail::BlockDropout dropout{drop, drop_seed, src};
-      return detail::attention_block_backward(qc, block, dout, delta, lse, queries,
-                                              detail::tiles_of(chunks_of(layout, seq_len, src), tile), dropout, dq);
-    });
+    at::Tensor dkv = comm::ring_pass_reduce(
+        *g->group, kv, [&](int src, const at::Tensor& block, const comm::RingProgress& progress) {
+          const detail::BlockDropout dropout{drop, drop_seed, src};
+          return detail::attention_block_backward(qc, block, dout, delta, lse, queries,
+                                                  detail::tiles_of(chunks_of(layout, seq_len, src), tile), dropout, dq,
+                                                  progress);
+        });
     auto as = [&](const at::Tensor& t, size_t i) { return t.to(static_cast<at::ScalarType>(dtypes[i])); };
     return {as(dq, 0), as(dkv[0], 1), as(dkv[1], 2), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

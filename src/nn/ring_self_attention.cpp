@@ -42,7 +42,7 @@ struct RingScores : torch::autograd::Function<RingScores> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             comm::CommunicatorPtr group) {
     std::vector<at::Tensor> blocks(group->size());
-    comm::ring_pass(*group, k, [&](int src, const at::Tensor& block) {
+    comm::ring_pass(*group, k, [&](int src, const at::Tensor& block, const comm::RingProgress&) {
       blocks[src] = at::matmul(q, block.transpose(-2, -1));
     });
     ctx->save_for_backward({q, k});
@@ -57,11 +57,12 @@ struct RingScores : torch::autograd::Function<RingScores> {
     const at::Tensor& dscores = grads[0];
     const int64_t n = k.size(2);
     at::Tensor dq = at::zeros_like(q);
-    at::Tensor dk = comm::ring_pass_reduce(group_of(ctx), k.contiguous(), [&](int src, const at::Tensor& block) {
-      const at::Tensor ds = dscores.narrow(-1, src * n, n);
-      dq.add_(at::matmul(ds, block));
-      return at::matmul(ds.transpose(-2, -1), q).contiguous();
-    });
+    at::Tensor dk = comm::ring_pass_reduce(group_of(ctx), k.contiguous(),
+                                           [&](int src, const at::Tensor& block, const comm::RingProgress&) {
+                                             const at::Tensor ds = dscores.narrow(-1, src * n, n);
+                                             dq.add_(at::matmul(ds, block));
+                                             return at::matmul(ds.transpose(-2, -1), q).contiguous();
+                                           });
     return {dq, dk, at::Tensor()};
   }
 };
@@ -71,7 +72,7 @@ struct RingValues : torch::autograd::Function<RingValues> {
                             comm::CommunicatorPtr group) {
     const int64_t n = v.size(2);
     at::Tensor out = at::zeros({probs.size(0), probs.size(1), probs.size(2), v.size(3)}, v.options());
-    comm::ring_pass(*group, v, [&](int src, const at::Tensor& block) {
+    comm::ring_pass(*group, v, [&](int src, const at::Tensor& block, const comm::RingProgress&) {
       out.add_(at::matmul(probs.narrow(-1, src * n, n), block));
     });
     ctx->save_for_backward({probs, v});
@@ -86,10 +87,11 @@ struct RingValues : torch::autograd::Function<RingValues> {
     const at::Tensor& dout = grads[0];
     const int64_t n = v.size(2);
     at::Tensor dprobs = at::empty_like(probs);
-    at::Tensor dv = comm::ring_pass_reduce(group_of(ctx), v.contiguous(), [&](int src, const at::Tensor& block) {
-      dprobs.narrow(-1, src * n, n).copy_(at::matmul(dout, block.transpose(-2, -1)));
-      return at::matmul(probs.narrow(-1, src * n, n).transpose(-2, -1), dout).contiguous();
-    });
+    at::Tensor dv = comm::ring_pass_reduce(
+        group_of(ctx), v.contiguous(), [&](int src, const at::Tensor& block, const comm::RingProgress&) {
+          dprobs.narrow(-1, src * n, n).copy_(at::matmul(dout, block.transpose(-2, -1)));
+          return at::matmul(probs.narrow(-1, src * n, n).transpose(-2, -1), dout).contiguous();
+        });
     return {dprobs, dv, at::Tensor()};
   }
 };

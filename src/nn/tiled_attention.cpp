@@ -94,16 +94,19 @@ at::Tensor future_mask(const TokenRun& queries, const TokenRun& keys, const at::
 double scale_of(const at::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(-1))); }
 
 // fn(query tile index, key tile index, query tile, key tile, overlap, keys,
-// values) for each pair of tiles in which some query sees a key.
+// values) for each pair of tiles in which some query sees a key, then
+// between().
 template <typename Fn>
 void for_each_visible_pair(const at::Tensor& kv, const std::vector<TokenRun>& queries,
-                           const std::vector<TokenRun>& keys, Fn&& fn) {
+                           const std::vector<TokenRun>& keys, const BetweenTiles& between, Fn&& fn) {
   for (size_t ki = 0; ki < keys.size(); ++ki) {
     const TokenRun& kc = keys[ki];
     const at::Tensor kk = kv[0].narrow(2, kc.begin, kc.length), vv = kv[1].narrow(2, kc.begin, kc.length);
     for (size_t qi = 0; qi < queries.size(); ++qi) {
       const Overlap o = overlap(queries[qi], kc);
-      if (o != Overlap::kNone) fn(qi, ki, queries[qi], kc, o, kk, vv);
+      if (o == Overlap::kNone) continue;
+      fn(qi, ki, queries[qi], kc, o, kk, vv);
+      if (between) between();
     }
   }
 }
@@ -138,10 +141,10 @@ OnlineSoftmax::OnlineSoftmax(const at::Tensor& q)
       acc(at::zeros_like(q)) {}
 
 void OnlineSoftmax::extend(const at::Tensor& q, const at::Tensor& kv, const std::vector<TokenRun>& queries,
-                           const std::vector<TokenRun>& keys, const BlockDropout& drop) {
+                           const std::vector<TokenRun>& keys, const BlockDropout& drop, const BetweenTiles& between) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   const double scale = scale_of(q);
-  for_each_visible_pair(kv, queries, keys,
+  for_each_visible_pair(kv, queries, keys, between,
                         [&](size_t qi, size_t ki, const TokenRun& qt, const TokenRun& kc, Overlap o,
                             const at::Tensor& kk, const at::Tensor& vv) {
                           at::Tensor s = at::matmul(q.narrow(2, qt.begin, qt.length), kk.transpose(-2, -1)).mul_(scale);
@@ -168,10 +171,10 @@ std::pair<at::Tensor, at::Tensor> OnlineSoftmax::finish() const {
 at::Tensor attention_block_backward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& dout,
                                     const at::Tensor& delta, const at::Tensor& lse,
                                     const std::vector<TokenRun>& queries, const std::vector<TokenRun>& keys,
-                                    const BlockDropout& drop, at::Tensor& dq) {
+                                    const BlockDropout& drop, at::Tensor& dq, const BetweenTiles& between) {
   const double scale = scale_of(q);
   at::Tensor contribution;
-  for_each_visible_pair(kv, queries, keys,
+  for_each_visible_pair(kv, queries, keys, between,
                         [&](size_t qi, size_t ki, const TokenRun& qt, const TokenRun& kc, Overlap o,
                             const at::Tensor& kk, const at::Tensor& vv) {
                           if (!contribution.defined()) contribution = at::zeros_like(kv);

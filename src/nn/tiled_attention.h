@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace tessera {
@@ -32,13 +33,18 @@ struct BlockDropout {
   int owner = 0;
 };
 
+// Called after each pair of tiles: ring attention moves its shifts in
+// flight there (Note [Ring progress] in comm/p2p.h); what it returns is
+// not used. Empty: nothing.
+using BetweenTiles = std::function<bool()>;
+
 // The online softmax of a rank's queries q [b, h, n, d] (float or double).
 struct OnlineSoftmax {
   explicit OnlineSoftmax(const at::Tensor& q);
   // Extends it by the keys and values kv [2, b, h, n_k, d]; `queries` and
   // `keys` are the tiles of q and of kv.
   void extend(const at::Tensor& q, const at::Tensor& kv, const std::vector<TokenRun>& queries,
-              const std::vector<TokenRun>& keys, const BlockDropout& drop);
+              const std::vector<TokenRun>& keys, const BlockDropout& drop, const BetweenTiles& between = {});
   // The output acc / l and the log-sum-exp m + log l of each query's row.
   std::pair<at::Tensor, at::Tensor> finish() const;
 
@@ -51,7 +57,7 @@ struct OnlineSoftmax {
 at::Tensor attention_block_backward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& dout,
                                     const at::Tensor& delta, const at::Tensor& lse,
                                     const std::vector<TokenRun>& queries, const std::vector<TokenRun>& keys,
-                                    const BlockDropout& drop, at::Tensor& dq);
+                                    const BlockDropout& drop, at::Tensor& dq, const BetweenTiles& between = {});
 
 // softmax(q·kᵀ/√d)·v [b, h, n, d], each query seeing the keys at positions
 // up to its own, in tiles: no n x n matrix, forward or backward. No dropout.
