@@ -86,9 +86,10 @@ LinkProbe probe_links(comm::Communicator& world, const context::HostMap& hosts, 
   for (int i = 0; i < h; ++i)
     for (int j = 0; j < h; ++j)
       if (i != j) {
-        // Both ends timed the same exchange; the slower one saw all of it.
+        // Both ends timed the same exchange (Note [Slow links]): the one that
+        // posted later timed the transfer alone.
         const double ij = a[leader[static_cast<size_t>(i)] * h + j], ji = a[leader[static_cast<size_t>(j)] * h + i];
-        pairs[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::max(ij, ji);
+        pairs[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::min(ij, ji);
       }
   return name_slow_host(pairs, factor);
 }

@@ -11,6 +11,12 @@
 // pairs share no link; each pair three times, the fastest kept (with two,
 // a clean host on cores the ranks share lost all four of its exchanges to
 // scheduling once: named at 2.1x, in a suite where the test ran alone).
+// Of an exchange's two ends the shorter time counts: a message of `bytes`
+// (past any eager size) moves only once both ends have posted, so the end
+// that posted later timed the transfer, and the earlier one also its wait
+// for the other to leave the barrier, which on shared cores can be a
+// scheduling slice (with the longer end, a clean host was named at 2.2x
+// once more, in a suite on this 2-core machine).
 // A host's time is its fastest exchange: a slow link slows all of a
 // host's exchanges, while a host with a good link has at least one fast
 // partner when two or more hosts have good links. The slow host is the one whose time exceeds
