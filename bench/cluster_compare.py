@@ -13,7 +13,10 @@ cluster up and runs, interleaved round by round, the same GPT, batch and
 data under every system: train_gpt with the planner's choice at
 --memory-gb (`--plan auto`), every tessera preset (`--plan flags --spec X`,
 so that each row has the planner's prediction), and bench/torch_gpt.py's
-DDP, FSDP2 full shard and HSDP over gloo. One JSON line per run on stdout:
+DDP, FSDP2 full shard and HSDP over gloo; on request (--systems) also
+ddp-one-host and torch-ddp-one-host, the same ranks launched outside the
+namespaces (the compute floor of this machine's cores, nothing crosses a
+link). One JSON line per run on stdout:
   {"hosts", "ranks_per_host", "rate", "round", "system", "plan", "step_ms",
    "predicted_ms", "out_of_host_mb", "model_state_mb"}
 then, with --markdown, the table of medians over rounds, and with --plot a
@@ -43,6 +46,9 @@ ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(ROOT, "scripts", "cluster.sh")
 TESSERA = ["plan", "ddp", "zero1", "zero2", "zero3", "hpz", "mics", "{R,P(host),S}"]
 TORCH = ["torch-ddp", "torch-fsdp2", "torch-hsdp"]
+# The same ranks on the machine itself, outside the namespaces: DDP's compute
+# floor on these cores, for "DDP across hosts within 10 % of one host".
+ONE_HOST = "-one-host"
 
 
 def cluster(*args):
@@ -85,12 +91,12 @@ def train_rows(path):
     return rows
 
 
-def command(system, a, hosts, ranks, metrics, port):
+def command(system, a, hosts, ranks, metrics, port, master="10.231.0.1"):
     n = hosts * ranks
     model = ["--layers", "4", "--hidden", "128", "--heads", "4", "--seq", "128", "--batch", str(8 * n)]
     steps = ["--steps", str(a.steps), "--data", a.data, "--metrics", metrics]
     if system.startswith("torch-"):
-        env = ["-x", "MASTER_ADDR=10.231.0.1", "-x", f"MASTER_PORT={port}"]
+        env = ["-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
         for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
             if var in os.environ:
                 env += ["-x", var]
@@ -107,8 +113,12 @@ def run_one(system, a, name, hosts, ranks, counters, out_dir, port):
     metrics = os.path.join(out_dir, f"{system.replace('{', '').replace('}', '').replace(',', '')}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = ["bash", CLUSTER, "run", "--name", name, "--", "mpirun", "-np", str(hosts * ranks)]
-    cmd += command(system, a, hosts, ranks, metrics, port)
+    if system.endswith(ONE_HOST):
+        cmd = ["mpirun", "-np", str(hosts * ranks)]
+        cmd += command(system[:-len(ONE_HOST)], a, hosts, ranks, metrics, port, master="127.0.0.1")
+    else:
+        cmd = ["bash", CLUSTER, "run", "--name", name, "--", "mpirun", "-np", str(hosts * ranks)]
+        cmd += command(system, a, hosts, ranks, metrics, port)
     log = open(metrics + ".log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     marks = {}
@@ -159,7 +169,8 @@ def markdown(rows):
                        f"{rs[0]['model_state_mb']:.2f} |")
         step = {s: statistics.median(r["step_ms"] for r in rs) for s, rs in med.items()}
         ratios = [f"{a} / {b} = {step[a] / step[b]:.2f}" for a, b in
-                  (("plan", "torch-fsdp2"), ("plan", "torch-hsdp"), ("ddp", "torch-ddp")) if a in step and b in step]
+                  (("plan", "torch-fsdp2"), ("plan", "torch-hsdp"), ("ddp", "torch-ddp"), ("ddp", "ddp" + ONE_HOST),
+                   ("torch-ddp", "torch-ddp" + ONE_HOST)) if a in step and b in step]
         if ratios:
             out.append("\nstep-time ratios: " + "; ".join(ratios))
     return "\n".join(out) + "\n"
@@ -219,7 +230,8 @@ def main():
                     help="--plan auto's limit per rank; the default rules out DDP (its predicted peak 51.2 MB) "
                          "and leaves every sharded spec at one micro-batch (44-45 MB)")
     ap.add_argument("--systems", default=",".join(TESSERA + TORCH).replace("{R,P(host),S}", "mix"),
-                    help="which of: " + ", ".join(TESSERA[:-1] + ["mix ({R,P(host),S})"] + TORCH))
+                    help="which of: " + ", ".join(TESSERA[:-1] + ["mix ({R,P(host),S})"] + TORCH) +
+                         f"; ddp{ONE_HOST} and torch-ddp{ONE_HOST} run the same ranks outside the namespaces")
     ap.add_argument("--markdown", help="also write the table of medians here")
     a = ap.parse_args()
     if a.rows:
@@ -242,7 +254,7 @@ def main():
         topologies.append((int(hosts), int(ranks)))
     systems = [("{R,P(host),S}" if s == "mix" else s) for s in a.systems.split(",")]
     for s in systems:
-        if s not in TESSERA + TORCH:
+        if s not in TESSERA + TORCH and s not in ("ddp" + ONE_HOST, "torch-ddp" + ONE_HOST):
             ap.error(f"--systems: unknown system {s!r}")
     if any(s.startswith("torch-") for s in systems) and not os.access(a.torch_python, os.X_OK):
         ap.error(f"--torch-python {a.torch_python} is not executable (scripts/setup-latest-torch.sh makes one)")
