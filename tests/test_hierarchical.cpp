@@ -233,6 +233,54 @@ TEST_P(HierarchicalInFlight, ReductionsInFlightTogetherPolledInAnyOrder) {
 INSTANTIATE_TEST_SUITE_P(Hierarchical, HierarchicalInFlight, ::testing::Values(0, 20),
                          [](const auto& info) { return info.param ? "driven" : "polled"; });
 
+// Note [Reductions in bucket order per link]: while bucket 0 waits on the
+// link (the other host has not posted yet), buckets 1 and 2 still reduce
+// inside this host, and nothing of theirs crosses before bucket 0's ring
+// has been issued.
+TEST(Hierarchical, LaterReductionsReduceInsideTheHostWhileTheFirstWaitsOnTheLink) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  auto trace = std::make_shared<comm::CommTrace>();
+  auto traced = std::make_shared<comm::TracingCommunicator>(world, trace);
+  const int host = world->rank() / (n / 2);
+  auto group = HierarchicalCommunicator::wrap(traced, host, std::chrono::microseconds(0));
+  ASSERT_NE(group, traced);
+  const int64_t numel = HierarchicalCommunicator::kMinElements * n;
+  std::vector<at::Tensor> xs;
+  std::vector<comm::WorkPtr> works;
+  auto post = [&] {
+    for (int i = 0; i < 3; ++i) {
+      xs.push_back(at::full({numel}, static_cast<double>(world->rank() + i), at::kDouble).to(test::device()));
+      comm::AllReduceOptions o;
+      o.async = true;
+      works.push_back(group->all_reduce(xs.back(), o));
+    }
+  };
+  world->control()->barrier()->wait();
+  trace->reset();
+  if (host == 0) {
+    post();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    while (std::chrono::steady_clock::now() < until) {
+      for (auto& w : works) w->is_completed();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_FALSE(works[0]->is_completed()) << "bucket 0 cannot finish before the other host posts";
+    EXPECT_EQ(trace->get("world.host", comm::OpType::kReduceScatter).calls, 3)
+        << "every bucket reduced inside the host while bucket 0 waited on the link";
+    EXPECT_EQ(trace->get("world.cross", comm::OpType::kSend).calls, 1)
+        << "only bucket 0's first step of the ring is on the link";
+  }
+  world->control()->barrier()->wait();  // host 1 posts after host 0 has looked
+  if (host == 1) post();
+  for (int i = 0; i < 3; ++i) {
+    works[static_cast<size_t>(i)]->wait();
+    const double want = n * (n - 1) / 2.0 + static_cast<double>(n) * i;
+    EXPECT_TRUE(xs[static_cast<size_t>(i)].cpu().eq(want).all().item<bool>()) << "reduction " << i;
+  }
+}
+
 // Note [Stages advanced beside the caller]: reductions posted and then left
 // alone (no call on the caller's thread, as during a stretch of backward)
 // run every stage with a driver; without one, only their first.

@@ -11,7 +11,9 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -21,20 +23,39 @@
 
 namespace tessera {
 namespace comm {
+namespace detail {
+
+// The communicator a stage issues on; kLocal stages touch only their
+// reduction's own tensors (Note [Reductions in bucket order per link]).
+enum class Lane : uint8_t { kLocal, kHostReduce, kCross, kHostGather };
+constexpr size_t kLanes = 4;
+
+struct Stage {
+  Lane lane;
+  std::function<WorkPtr()> issue;
+};
+
+}  // namespace detail
+
 namespace {
+
+using detail::kLanes;
+using detail::Lane;
+using Stages = std::vector<detail::Stage>;
 
 // Runs its stages one after the other: each starts when the one before has
 // completed, found by wait(), by an is_completed() that sees it done, or by
-// the group's stage driver (Note [Stages advanced beside the caller]). The
-// first starts only once `after` (the group's previous reduction) has
-// completed: Note [One reduction at a time]. Every advance holds the
-// group's mutex, so the stages of the group's operations are issued in one
-// order whichever thread issues them.
+// the group's stage driver (Note [Stages advanced beside the caller]). A
+// stage on a lane starts only once the group's earlier reductions (`after`
+// and its chain) have issued all theirs on that lane: Note [Reductions in
+// bucket order per link]. Every advance holds the group's mutex, so the
+// stages of the group's operations are issued in one order per
+// communicator whichever thread issues them.
 class StagedWork : public Work {
  public:
-  StagedWork(std::vector<std::function<WorkPtr()>> stages, std::shared_ptr<StagedWork> after,
-             std::shared_ptr<std::mutex> mutex)
+  StagedWork(Stages stages, std::shared_ptr<StagedWork> after, std::shared_ptr<std::mutex> mutex)
       : stages_(std::move(stages)), after_(std::move(after)), mutex_(std::move(mutex)) {
+    for (size_t i = 0; i < stages_.size(); ++i) end_[static_cast<size_t>(stages_[i].lane)] = i + 1;
     std::lock_guard<std::mutex> lock(*mutex_);
     completed_locked();
   }
@@ -66,38 +87,45 @@ class StagedWork : public Work {
   }
 
  private:
+  // Earlier reductions first: they may still hold a lane this one needs.
   void wait_locked() {
-    if (!started_) {
-      if (after_) after_->wait_locked();
-      start();
+    if (after_) {
+      after_->wait_locked();
+      after_.reset();  // completed: its destructor takes no lock
     }
-    while (current_) {
-      current_->wait();
-      advance();
+    for (;;) {
+      if (current_) current_->wait();
+      current_.reset();
+      if (next_ == stages_.size()) break;
+      current_ = stages_[next_++].issue();
     }
     completed_.store(true, std::memory_order_release);
   }
   bool completed_locked() {
-    if (!started_) {
-      if (after_ && !after_->completed_locked()) return false;
-      start();
+    if (after_ && after_->completed_locked()) after_.reset();  // its destructor takes no lock
+    for (;;) {
+      if (current_ && !current_->is_completed()) return false;
+      current_.reset();
+      if (next_ == stages_.size()) break;
+      const Lane lane = stages_[next_].lane;
+      if (lane != Lane::kLocal && after_ && !after_->issued_all(lane)) return false;
+      current_ = stages_[next_++].issue();
     }
-    while (current_ && current_->is_completed()) advance();
-    if (current_) return false;
+    // Completes after the earlier ones: a dropped work then never hides a
+    // pending one from the next reduction.
+    if (after_) return false;
     completed_.store(true, std::memory_order_release);
     return true;
   }
-  void start() {
-    after_.reset();  // completed: its destructor takes no lock
-    started_ = true;
-    advance();
+  // This reduction and every one before it have issued their stages on `lane`.
+  bool issued_all(Lane lane) const {
+    return next_ >= end_[static_cast<size_t>(lane)] && (!after_ || after_->issued_all(lane));
   }
-  void advance() { current_ = next_ < stages_.size() ? stages_[next_++]() : nullptr; }
 
-  std::vector<std::function<WorkPtr()>> stages_;
+  Stages stages_;
+  std::array<size_t, kLanes> end_{};  // one past each lane's last stage; 0: none
   std::shared_ptr<StagedWork> after_;
   std::shared_ptr<std::mutex> mutex_;
-  bool started_ = false;
   size_t next_ = 0;
   WorkPtr current_;
   std::atomic<bool> completed_{false};
@@ -115,8 +143,7 @@ class StagedWork : public Work {
 // order, so every rank ends with the same values.
 // Afterwards piece r of `data` (p pieces), r this rank's index in the ring,
 // holds the reduction over every rank of the ring.
-void append_ring_reduce_scatter(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
-                                const at::Tensor& data, ReduceOp op) {
+void append_ring_reduce_scatter(Stages& stages, const CommunicatorPtr& ring, const at::Tensor& data, ReduceOp op) {
   const int p = ring->size();
   const int r = ring->rank();
   TORCH_INTERNAL_ASSERT(data.numel() % p == 0);
@@ -126,51 +153,51 @@ void append_ring_reduce_scatter(std::vector<std::function<WorkPtr()>>& stages, c
   at::Tensor incoming = at::empty({piece}, data.options());
   for (int step = 0; step < p - 1; ++step) {
     // Send piece r - 1 - step, receive piece r - 2 - step and reduce into it.
-    stages.push_back([ring, slice, incoming, next, prev, r, step]() {
-      return ring->batch_isend_irecv(
-          {{P2POp::Kind::kSend, slice(r - 1 - step), next}, {P2POp::Kind::kRecv, incoming, prev}});
-    });
-    stages.push_back([slice, incoming, r, step, op]() {
-      at::Tensor target = slice(r - 2 - step);
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          target.add_(incoming);
-          break;
-        case ReduceOp::kProduct:
-          target.mul_(incoming);
-          break;
-        case ReduceOp::kMin:
-          at::minimum_out(target, target, incoming);
-          break;
-        case ReduceOp::kMax:
-          at::maximum_out(target, target, incoming);
-          break;
-      }
-      return completed_work();
-    });
+    stages.push_back({Lane::kCross, [ring, slice, incoming, next, prev, r, step]() {
+                        return ring->batch_isend_irecv(
+                            {{P2POp::Kind::kSend, slice(r - 1 - step), next}, {P2POp::Kind::kRecv, incoming, prev}});
+                      }});
+    stages.push_back({Lane::kLocal, [slice, incoming, r, step, op]() {
+                        at::Tensor target = slice(r - 2 - step);
+                        switch (op) {
+                          case ReduceOp::kSum:
+                          case ReduceOp::kAvg:
+                            target.add_(incoming);
+                            break;
+                          case ReduceOp::kProduct:
+                            target.mul_(incoming);
+                            break;
+                          case ReduceOp::kMin:
+                            at::minimum_out(target, target, incoming);
+                            break;
+                          case ReduceOp::kMax:
+                            at::maximum_out(target, target, incoming);
+                            break;
+                        }
+                        return completed_work();
+                      }});
   }
   if (op == ReduceOp::kAvg) {
-    stages.push_back([slice, r, p]() {
-      slice(r).div_(p);
-      return completed_work();
-    });
+    stages.push_back({Lane::kLocal, [slice, r, p]() {
+                        slice(r).div_(p);
+                        return completed_work();
+                      }});
   }
 }
 
 // Piece r of `data` is complete on rank r of the ring; afterwards every piece is.
-void append_ring_all_gather(std::vector<std::function<WorkPtr()>>& stages, const CommunicatorPtr& ring,
-                            const at::Tensor& data) {
+void append_ring_all_gather(Stages& stages, const CommunicatorPtr& ring, const at::Tensor& data) {
   const int p = ring->size();
   const int r = ring->rank();
   const int64_t piece = data.numel() / p;
   const int next = (r + 1) % p, prev = (r + p - 1) % p;
   auto slice = [data, piece, p](int i) { return data.narrow(0, ((i % p) + p) % p * piece, piece); };
   for (int step = 0; step < p - 1; ++step) {
-    stages.push_back([ring, slice, next, prev, r, step]() {
-      at::Tensor into = slice(r - 1 - step);
-      return ring->batch_isend_irecv({{P2POp::Kind::kSend, slice(r - step), next}, {P2POp::Kind::kRecv, into, prev}});
-    });
+    stages.push_back({Lane::kCross, [ring, slice, next, prev, r, step]() {
+                        at::Tensor into = slice(r - 1 - step);
+                        return ring->batch_isend_irecv(
+                            {{P2POp::Kind::kSend, slice(r - step), next}, {P2POp::Kind::kRecv, into, prev}});
+                      }});
   }
 }
 
@@ -182,10 +209,12 @@ bool staged(const at::Tensor& t, int64_t min_elements) {
 
 }  // namespace
 
-HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross,
+HierarchicalCommunicator::HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host,
+                                                   CommunicatorPtr host_gather, CommunicatorPtr cross,
                                                    at::Tensor by_local_index, int host_id)
     : inner_(std::move(inner)),
       host_(std::move(host)),
+      host_gather_(std::move(host_gather)),
       cross_(std::move(cross)),
       by_local_index_(std::move(by_local_index)),
       host_id_(host_id) {}
@@ -238,6 +267,8 @@ CommunicatorPtr HierarchicalCommunicator::wrap_with(CommunicatorPtr inner, int h
   if (hosts == 1 || per_host == 1 || !even) return inner;  // the same on every rank: they saw the same table
   const int host_index = static_cast<int>(std::find(order.begin(), order.end(), host) - order.begin());
   CommunicatorPtr host_group = inner->split(host_index, inner->rank(), inner->name() + ".host");
+  // The all-gathers' lane (Note [Reductions in bucket order per link]).
+  CommunicatorPtr host_gather = inner->split(host_index, inner->rank(), inner->name() + ".host");
   CommunicatorPtr cross_group = inner->split(local, host_index, inner->name() + ".cross");
   TORCH_INTERNAL_ASSERT(host_group->size() == per_host && cross_group->size() == hosts, "host split of ", inner->name(),
                         " gave ", host_group->size(), " x ", cross_group->size(), " ranks, expected ", per_host, " x ",
@@ -247,8 +278,9 @@ CommunicatorPtr HierarchicalCommunicator::wrap_with(CommunicatorPtr inner, int h
     const auto index = std::find(order.begin(), order.end(), h[r]) - order.begin();
     by_local_index.data_ptr<int64_t>()[local_of[static_cast<size_t>(r)] * hosts + index] = r;
   }
-  auto wrapped = std::shared_ptr<HierarchicalCommunicator>(new HierarchicalCommunicator(
-      std::move(inner), std::move(host_group), std::move(cross_group), std::move(by_local_index), host));
+  auto wrapped = std::shared_ptr<HierarchicalCommunicator>(
+      new HierarchicalCommunicator(std::move(inner), std::move(host_group), std::move(host_gather),
+                                   std::move(cross_group), std::move(by_local_index), host));
   wrapped->driver_ = std::move(driver);
   return wrapped;
 }
@@ -274,33 +306,33 @@ WorkPtr HierarchicalCommunicator::all_reduce(at::Tensor& tensor, const AllReduce
   at::Tensor buffer = padded ? at::zeros({chunk * per}, tensor.options()) : flat;
   at::Tensor part = at::empty({chunk}, tensor.options());
   const ReduceOp op = options.op;
-  std::vector<std::function<WorkPtr()>> stages;
+  Stages stages;
   if (padded) {
-    stages.push_back([buffer, flat, n]() mutable {
-      buffer.narrow(0, 0, n).copy_(flat);
-      return completed_work();
-    });
+    stages.push_back({Lane::kLocal, [buffer, flat, n]() mutable {
+                        buffer.narrow(0, 0, n).copy_(flat);
+                        return completed_work();
+                      }});
   }
-  CommunicatorPtr host = host_, cross = cross_;
-  stages.push_back([host, buffer, part, op]() mutable {
-    ReduceScatterOptions o;
-    o.op = op;
-    o.async = true;
-    return host->reduce_scatter(part, buffer, o);
-  });
+  CommunicatorPtr host = host_, gather = host_gather_;
+  stages.push_back({Lane::kHostReduce, [host, buffer, part, op]() mutable {
+                      ReduceScatterOptions o;
+                      o.op = op;
+                      o.async = true;
+                      return host->reduce_scatter(part, buffer, o);
+                    }});
   // Across hosts: a ring on point-to-point messages (Note [A ring across hosts]).
-  append_ring_reduce_scatter(stages, cross, part, op);
-  append_ring_all_gather(stages, cross, part);
-  stages.push_back([host, buffer, part]() mutable {
-    AllGatherOptions o;
-    o.async = true;
-    return host->all_gather(buffer, part, o);
-  });
+  append_ring_reduce_scatter(stages, cross_, part, op);
+  append_ring_all_gather(stages, cross_, part);
+  stages.push_back({Lane::kHostGather, [gather, buffer, part]() mutable {
+                      AllGatherOptions o;
+                      o.async = true;
+                      return gather->all_gather(buffer, part, o);
+                    }});
   if (padded) {
-    stages.push_back([buffer, flat, n]() mutable {
-      flat.copy_(buffer.narrow(0, 0, n));
-      return completed_work();
-    });
+    stages.push_back({Lane::kLocal, [buffer, flat, n]() mutable {
+                        flat.copy_(buffer.narrow(0, 0, n));
+                        return completed_work();
+                      }});
   }
   return submit(std::move(stages), options.async);
 }
@@ -317,20 +349,20 @@ WorkPtr HierarchicalCommunicator::reduce_scatter(at::Tensor& output, const at::T
   at::Tensor order = by_local_index_;
   CommunicatorPtr host = host_;
   const ReduceOp op = options.op;
-  std::vector<std::function<WorkPtr()>> stages;
-  stages.push_back([host, input, reordered, part, order, n, c, op]() mutable {
-    at::index_select_out(reordered, input.reshape({n, c}), 0, order);
-    ReduceScatterOptions o;
-    o.op = op;
-    o.async = true;
-    return host->reduce_scatter(part, reordered.view({-1}), o);
-  });
+  Stages stages;
+  stages.push_back({Lane::kHostReduce, [host, input, reordered, part, order, n, c, op]() mutable {
+                      at::index_select_out(reordered, input.reshape({n, c}), 0, order);
+                      ReduceScatterOptions o;
+                      o.op = op;
+                      o.async = true;
+                      return host->reduce_scatter(part, reordered.view({-1}), o);
+                    }});
   append_ring_reduce_scatter(stages, cross_, part, op);
   const int64_t mine = cross_->rank();
-  stages.push_back([output, part, mine, c]() mutable {
-    output.view({-1}).copy_(part.narrow(0, mine * c, c));
-    return completed_work();
-  });
+  stages.push_back({Lane::kLocal, [output, part, mine, c]() mutable {
+                      output.view({-1}).copy_(part.narrow(0, mine * c, c));
+                      return completed_work();
+                    }});
   return submit(std::move(stages), options.async);
 }
 
@@ -344,38 +376,51 @@ WorkPtr HierarchicalCommunicator::all_gather(at::Tensor& output, const at::Tenso
   at::Tensor part = at::empty({hosts * c}, input.options());
   at::Tensor gathered = at::empty({n * c}, input.options());
   at::Tensor order = by_local_index_;
-  CommunicatorPtr host = host_;
+  CommunicatorPtr gather = host_gather_;
   const int64_t mine = cross_->rank();
-  std::vector<std::function<WorkPtr()>> stages;
-  stages.push_back([input, part, mine, c]() mutable {
-    part.narrow(0, mine * c, c).copy_(input.view({-1}));
-    return completed_work();
-  });
+  Stages stages;
+  stages.push_back({Lane::kLocal, [input, part, mine, c]() mutable {
+                      part.narrow(0, mine * c, c).copy_(input.view({-1}));
+                      return completed_work();
+                    }});
   append_ring_all_gather(stages, cross_, part);
-  stages.push_back([host, gathered, part]() mutable {
-    AllGatherOptions o;
-    o.async = true;
-    return host->all_gather(gathered, part, o);
-  });
-  stages.push_back([output, gathered, order, n, c]() mutable {
-    output.view({n, c}).index_copy_(0, order, gathered.view({n, c}));
-    return completed_work();
-  });
+  stages.push_back({Lane::kHostGather, [gather, gathered, part]() mutable {
+                      AllGatherOptions o;
+                      o.async = true;
+                      return gather->all_gather(gathered, part, o);
+                    }});
+  stages.push_back({Lane::kLocal, [output, gathered, order, n, c]() mutable {
+                      output.view({n, c}).index_copy_(0, order, gathered.view({n, c}));
+                      return completed_work();
+                    }});
   return submit(std::move(stages), options.async);
 }
 
-WorkPtr HierarchicalCommunicator::submit(std::vector<std::function<WorkPtr()>> stages, bool async) {
-  // Note [One reduction at a time]
+WorkPtr HierarchicalCommunicator::submit(std::vector<detail::Stage> stages, bool async) {
+  // Note [Reductions in bucket order per link]
   // Several reductions may be in flight (ShardedModule posts one per bucket
-  // during backward), each advancing whenever its caller polls it. Were
-  // their stages free to interleave, one rank could issue bucket 0's
+  // during backward), each advancing whenever its caller or the driver
+  // polls it. MPI needs one order of collectives per communicator, the same
+  // on every rank, and point-to-point messages without tags pair in posting
+  // order: were stages free to interleave, one rank could issue bucket 0's
   // all-gather inside the host before bucket 1's reduce-scatter and another
-  // after it, and the ring's messages of two buckets could pair with each
-  // other's receives: MPI needs one order of collectives per communicator,
-  // and point-to-point messages without tags pair in posting order (Open
-  // MPI aborted with MPI_ERR_TRUNCATE with 0.25 MiB buckets). So a
-  // reduction starts its first stage only when the group's previous one has
-  // completed; every rank then issues every stage in the same order.
+  // after it (Open MPI aborted with MPI_ERR_TRUNCATE with 0.25 MiB buckets
+  // when the ring's messages of two buckets paired with each other's
+  // receives). Running one reduction at a time kept that order but left the
+  // slow link idle while each bucket passed through its stages inside the
+  // host. So each kind of stage has a communicator of its own, its lane:
+  // the reduce-scatter inside the host, the ring across hosts, and the
+  // all-gather inside the host (a second communicator over the host's
+  // ranks, also named "<name>.host"). A stage on a lane is issued only once
+  // every earlier reduction has issued all its stages on that lane. Each
+  // communicator then sees the reductions in submission order on every
+  // rank, whatever the timing, while bucket k + 1 reduces inside its host
+  // as bucket k crosses the link. Local stages (copies, the ring's
+  // additions) touch only their reduction's tensors and wait for nobody.
+  // Each reduction waits only on earlier ones, so the first pending one
+  // always moves and none waits forever. A reduction completes only after
+  // the earlier ones have, so dropping a completed work never hides a
+  // pending one from the next.
   auto work =
       std::make_shared<StagedWork>(std::move(stages), std::static_pointer_cast<StagedWork>(last_.lock()), stage_mutex_);
   last_ = work;

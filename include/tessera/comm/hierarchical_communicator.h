@@ -45,10 +45,10 @@
 // A staged operation moves to its next stage only when somebody looks:
 // its caller's wait() or is_completed() (ShardedModule polls its buckets in
 // each gradient hook). Between two looks a stage that has completed waits,
-// and with it every later reduction of the group (Note [One reduction at a
-// time] in the source): MPI moves the bytes of a posted stage (with a
-// progress thread, Note [A progress thread]), but nobody posts the next
-// one. So a hierarchical group and its splits get a stage driver: a
+// and with it the later reductions' stages on its lane (Note [Reductions
+// in bucket order per link] in the source): MPI moves the bytes of a
+// posted stage (with a progress thread, Note [A progress thread]), but
+// nobody posts the next one. So a hierarchical group and its splits get a stage driver: a
 // thread that, while any of their staged operations is pending, looks
 // every N µs and posts the next stage itself (its MPI_Test also runs MPI's
 // progress engine), and sleeps otherwise. N is TESSERA_PROGRESS_US (the
@@ -77,7 +77,8 @@ namespace tessera {
 namespace comm {
 namespace detail {
 class StageDriver;
-}
+struct Stage;
+}  // namespace detail
 
 class HierarchicalCommunicator : public Communicator {
  public:
@@ -136,22 +137,23 @@ class HierarchicalCommunicator : public Communicator {
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
  private:
-  HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr cross,
-                           at::Tensor by_local_index, int host_id);
+  HierarchicalCommunicator(CommunicatorPtr inner, CommunicatorPtr host, CommunicatorPtr host_gather,
+                           CommunicatorPtr cross, at::Tensor by_local_index, int host_id);
   static CommunicatorPtr wrap_with(CommunicatorPtr inner, int host, std::shared_ptr<detail::StageDriver> driver);
-  // Runs the stages after the group's previous staged operation (Note [One
-  // reduction at a time] in the source).
-  WorkPtr submit(std::vector<std::function<WorkPtr()>> stages, bool async);
+  // Runs the stages in order with the group's earlier staged operations
+  // (Note [Reductions in bucket order per link] in the source).
+  WorkPtr submit(std::vector<detail::Stage> stages, bool async);
 
   CommunicatorPtr inner_;
-  CommunicatorPtr host_;
+  CommunicatorPtr host_;         // reduce-scatters inside the host
+  CommunicatorPtr host_gather_;  // all-gathers inside the host: the same ranks
   CommunicatorPtr cross_;
   // Group ranks in [local index][host] order: entry l·H + h is the rank
   // with local index l on host h (Note [Scatters and gathers by host]).
   at::Tensor by_local_index_;
   int host_id_;  // wrap's `host`, for splits
-  // The last reduction issued; the next starts after it (Note [One
-  // reduction at a time] in the source). Dropped works have completed.
+  // The last reduction issued; the next follows it (Note [Reductions in
+  // bucket order per link] in the source). Dropped works have completed.
   std::weak_ptr<Work> last_;
   // Held by every advance of this group's stages; null driver: none.
   std::shared_ptr<std::mutex> stage_mutex_ = std::make_shared<std::mutex>();
