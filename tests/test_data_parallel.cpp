@@ -7,7 +7,9 @@
 #include "test_util.h"
 
 #include "tessera/comm/factory.h"
+#include "tessera/comm/hierarchical_communicator.h"
 #include "tessera/context/parallel_context.h"
+#include "tessera/parallel/bucket_size.h"
 #include "tessera/parallel/flat_bucket.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharded_optimizer.h"
@@ -558,6 +560,35 @@ TEST(ShardedModuleBuckets, TheFirstBucketClosesAtOneMiB) {
   const int64_t layer = 512 * 512 + 512;
   EXPECT_EQ(sharded->bucket(0).used(), layer) << "the last layer, bias and weight";
   EXPECT_EQ(sharded->bucket(1).used(), 3 * layer);
+}
+
+// Note [Buckets across hosts]: over a group that reduces by host the
+// default buckets are a sixteenth of the gradient (32 layers of 263 KB:
+// caps of 526 KB); over one host the same model keeps DDP's two.
+TEST(ShardedModuleBuckets, AcrossHostsTheDefaultIsASixteenthOfTheGradient) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "two hosts of 2 or more ranks need an even world of 4 or more";
+  if (test::device().is_cuda()) GTEST_SKIP() << "the MPI backend's host tensors";
+  torch::nn::Sequential model;
+  for (int i = 0; i < 32; ++i) model->push_back(torch::nn::Linear(256, 256));
+  const int64_t layer = 256 * 256 + 256, total = 32 * layer * 4;
+  EXPECT_EQ(parallel::default_bucket_bytes(total, true), total / 16);
+  EXPECT_EQ(parallel::default_bucket_bytes(total, false), int64_t(25) << 20);
+  EXPECT_EQ(parallel::default_bucket_bytes(1000, true), int64_t(256) << 10) << "at least 256 KiB";
+  EXPECT_EQ(parallel::default_bucket_bytes(int64_t(1) << 40, true), int64_t(25) << 20) << "at most DDP's";
+
+  auto one_host = std::make_shared<ShardedModule>(model.ptr(), data_context(), ShardedModuleOptions());
+  EXPECT_EQ(one_host->num_buckets(), 2u);
+  auto hosts = comm::HierarchicalCommunicator::wrap(world, world->rank() / (n / 2), std::chrono::microseconds(0));
+  auto across = std::make_shared<ShardedModule>(model.ptr(), data_context(), ShardedModuleOptions().group(hosts));
+  EXPECT_GE(across->num_buckets(), 16u);
+  EXPECT_LE(across->num_buckets(), 17u);
+  for (size_t b = 0; b < across->num_buckets(); ++b) EXPECT_LE(across->bucket(b).used() * 4, total / 16) << b;
+  // An explicit size is carried out as given.
+  auto given = std::make_shared<ShardedModule>(model.ptr(), data_context(),
+                                               ShardedModuleOptions().group(hosts).bucket_bytes(int64_t(25) << 20));
+  EXPECT_EQ(given->num_buckets(), 2u);
 }
 
 TEST(ShardingSpec, PresetsParseAndPrint) {

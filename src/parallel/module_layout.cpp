@@ -1,5 +1,8 @@
 #include "tessera/parallel/module_layout.h"
 
+#include "tessera/comm/hierarchical_communicator.h"
+#include "tessera/parallel/bucket_size.h"
+
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
@@ -21,8 +24,8 @@ namespace {
 // front of a large matrix. Across 2 hosts of 4 ranks at 200 Mbit/s
 // the 3.4 MB demo GPT's DDP step took 651 ms with one bucket, 610 ms with
 // the first at 1 MiB (medians of 2 runs) and 514-571 ms with every bucket
-// at 1 MiB (--bucket-mb 1: more overlap, more calls).
-constexpr int64_t kFirstBucketBytes = int64_t(1) << 20;
+// at 1 MiB (--bucket-mb 1: more overlap, more calls). Across hosts the
+// default buckets are smaller (Note [Buckets across hosts]).
 
 ParamSlot make_slot(std::string name, const at::Tensor& param) {
   ParamSlot slot;
@@ -211,7 +214,13 @@ ModuleLayout plan_module_layout(torch::nn::Module& module, const comm::Communica
     for (const auto& p : module.named_parameters(true))
       if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second)
         all.push_back(make_slot(p.key(), p.value()));
-    buckets.add(std::move(all), options.bucket_bytes());
+    int64_t cap = options.bucket_bytes();
+    if (cap == 0) {  // the default (Note [Buckets across hosts])
+      int64_t bytes = 0;
+      for (const auto& slot : all) bytes += slot.param.numel() * static_cast<int64_t>(slot.param.element_size());
+      cap = default_bucket_bytes(bytes, dynamic_cast<const comm::HierarchicalCommunicator*>(group.get()) != nullptr);
+    }
+    buckets.add(std::move(all), cap);
     m.unit_names = u.units.empty() ? std::vector<std::string>{""} : u.units;
     m.unit_buckets.resize(m.unit_names.size());
   }

@@ -85,7 +85,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> module, context:
   options_.spec(spec_on_hosts(options_.spec(), *group_));  // P(host): the group's ranks per host
   const comm::CommunicatorPtr covered = sequence ? ctx_->comm(context::ParallelMode::kSequence) : nullptr;
   const int replicas = group_->size() / (covered ? covered->size() : 1);
-  TORCH_CHECK(options_.bucket_bytes() > 0, "ShardedModule: bucket_bytes must be positive, got ",
+  TORCH_CHECK(options_.bucket_bytes() >= 0,
+              "ShardedModule: bucket_bytes must be positive, or 0 for the default "
+              "(Note [Buckets across hosts]), got ",
               options_.bucket_bytes());
 
   // Note [Replica groups]

@@ -6,6 +6,7 @@
 #include "grid_math.h"
 
 #include "tessera/comm/hierarchical_communicator.h"
+#include "tessera/parallel/bucket_size.h"
 #include "tessera/parallel/pipeline_schedule.h"
 #include "tessera/parallel/sharding_spec.h"
 
@@ -46,8 +47,9 @@ std::string level_group(const std::string& base, const std::vector<int>& chain, 
 // One bucket set of `numel` elements sharded by `spec` over a group of n
 // ranks named `base` (the data group, or expert_data for experts).
 // Buckets: one per unit (layer) once anything is sharded, else DDP's
-// buckets (1 MiB, then 25 MiB); each collective below runs once per bucket,
-// with the mean bucket's size.
+// buckets (1 MiB, then 25 MiB; route_through_hosts makes them smaller where
+// they reduce by host); each collective below runs once per bucket, with
+// the mean bucket's size.
 void sharded_traffic(const Plan& plan, ParallelMode mode, const std::string& base, int n, double numel,
                      double gathers, double units, bool prefetched, Traffic& out) {
   if (numel <= 0 || n <= 1) return;
@@ -56,10 +58,9 @@ void sharded_traffic(const Plan& plan, ParallelMode mode, const std::string& bas
   const double e = element_bytes(plan);
   const bool sharded = d.optim > 1;
   // DDP's buckets: the first of 1 MiB, then 25 MiB (Note [The first bucket]).
-  const double bytes = numel * e, first = 1 << 20;
-  const double buckets = sharded          ? std::max(1.0, units)
-                         : bytes <= first ? 1.0
-                                          : 1.0 + std::ceil((bytes - first) / (25 << 20));
+  const double buckets =
+      sharded ? std::max(1.0, units)
+              : static_cast<double>(parallel::bucket_count(static_cast<int64_t>(numel * e), parallel::kDdpBucketBytes));
   auto level_op = [&](const std::string& comp, int level, OpType op, double times, bool overlapped) {
     out.add(comp, mode, level_group(base, chain, level), chain[level] / chain[level - 1], op, times * buckets,
             numel / chain[level - 1] / buckets, e, overlapped);
@@ -346,7 +347,13 @@ void route_through_hosts(Traffic& traffic, const Plan& plan) {
   std::vector<Collective> kept;
   for (const Collective& x : traffic.items()) {
     const int n = x.size, per_node = x.per_node, hosts = x.nodes;
-    const double m = x.calls > 0 ? x.bytes / x.calls / e : 0;  // elements per call
+    double calls = x.calls;
+    // DDP's gradient buckets where they reduce by host: Note [Buckets across hosts].
+    if (x.component == "grads" && x.group == data && x.op == OpType::kAllReduce && hosts > 1 && per_node >= 2) {
+      const auto bytes = static_cast<int64_t>(x.bytes);
+      calls = static_cast<double>(parallel::bucket_count(bytes, parallel::default_bucket_bytes(bytes, true)));
+    }
+    const double m = calls > 0 ? x.bytes / calls / e : 0;  // elements per call
     const bool staged_op = x.op == OpType::kAllReduce || x.op == OpType::kReduceScatter || x.op == OpType::kAllGather;
     // The data group and its splits (ZeRO's shard levels, replica groups).
     const bool of_data = x.group == data || x.group.rfind(data + ".", 0) == 0;
@@ -361,11 +368,11 @@ void route_through_hosts(Traffic& traffic, const Plan& plan) {
     const double piece = std::ceil(m / n);
     if (x.op == OpType::kAllReduce) {
       for (OpType op : {OpType::kReduceScatter, OpType::kAllGather})
-        routed.add(x.component, x.mode, x.group + ".host", per_node, op, x.calls, piece * n, e, x.overlapped);
+        routed.add(x.component, x.mode, x.group + ".host", per_node, op, calls, piece * n, e, x.overlapped);
     } else {  // Note [Scatters and gathers by host]: the same collective inside the host
-      routed.add(x.component, x.mode, x.group + ".host", per_node, x.op, x.calls, m, e, x.overlapped);
+      routed.add(x.component, x.mode, x.group + ".host", per_node, x.op, calls, m, e, x.overlapped);
     }
-    const double steps = (x.op == OpType::kAllReduce ? 2.0 : 1.0) * (hosts - 1) * x.calls;
+    const double steps = (x.op == OpType::kAllReduce ? 2.0 : 1.0) * (hosts - 1) * calls;
     for (OpType op : {OpType::kSend, OpType::kRecv})
       routed.add(x.component, x.mode, x.group + ".cross", hosts, op, steps, piece, e, x.overlapped);
   }

@@ -48,6 +48,7 @@ void grid_options(cli::Command& c, RunOptions& r) {
       "bucket-mb", &r.bucket_mb(),
       "gradient buckets in MiB when gradients are not sharded (the first closes at 1 MiB); smaller ones start reducing "
       "earlier in backward");
+  c.default_text("bucket-mb", "25, or a sixteenth of the gradient where the data group spans hosts");
   c.add("schedule", &r.schedule(), "pipeline schedule", "gpipe|1f1b|interleaved|zb-h1|zb-h2|zb-v|dualpipev",
         parallel::parse_schedule_kind, [](parallel::ScheduleKind k) { return parallel::to_string(k); });
   c.add("microbatches", &r.microbatches(), "pipeline micro-batches per step");
@@ -365,10 +366,11 @@ void RunOptions::check(int world_size) const {
   } else {
     TORCH_CHECK(!was_given("min-rows-per-replica"), "--min-rows-per-replica is only read with --batch-schedule");
   }
-  TORCH_CHECK(bucket_mb() * (1 << 20) >= 1 && bucket_mb() <= 1 << 20, "--bucket-mb ", bucket_mb(),
-              ": a bucket holds at least one byte and at most 1 TiB; DDP's default is 25");
+  TORCH_CHECK(bucket_mb() == 0 || (bucket_mb() * (1 << 20) >= 1 && bucket_mb() <= 1 << 20), "--bucket-mb ", bucket_mb(),
+              ": a bucket holds at least one byte and at most 1 TiB (0: the default, 25, or a sixteenth "
+              "of the gradient across hosts)");
   TORCH_CHECK(!was_given("bucket-mb") || plan() == PlanMode::kNone,
-              "--bucket-mb with --plan: the planner models the default buckets (1 MiB, then 25 MiB); drop one of them");
+              "--bucket-mb with --plan: the planner models the default buckets; drop one of them");
   for (const char* k : {"cluster", "comm-bench", "memory-gb", "overlap", "plan-top"})
     TORCH_CHECK(!was_given(k) || plan() != PlanMode::kNone, "--", k, " is only read with --plan auto|flags");
   TORCH_CHECK(!was_given("plan-top") || plan() == PlanMode::kAuto, "--plan-top is only read with --plan auto");

@@ -56,8 +56,10 @@ class UnitHost;
 
 struct ShardedModuleOptions {
   TORCH_ARG(ShardingSpec, spec) = ShardingSpec::ddp();
-  // Bucket size for replicated parameters (bytes of gradient per bucket).
-  TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
+  // Bucket size for replicated parameters (bytes of gradient per bucket);
+  // 0: 25 MiB, or a sixteenth of the gradient where the group reduces by
+  // host (parallel/bucket_size.h, Note [Buckets across hosts]).
+  TORCH_ARG(int64_t, bucket_bytes) = 0;
   // Submodule names (as in named_modules()) that form units; empty: the
   // children of a Sequential, else the whole module (Note [Units and gathering]).
   TORCH_ARG(std::vector<std::string>, units) = {};

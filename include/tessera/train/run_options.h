@@ -51,8 +51,10 @@ struct RunOptions {
   TORCH_ARG(std::string, offload_dir) = "";
   TORCH_ARG(bool, offload_params) = false;
   // Gradient buckets of unsharded data parallelism, in MiB (DDP's
-  // bucket_cap_mb): smaller ones start reducing earlier in backward.
-  TORCH_ARG(double, bucket_mb) = 25;
+  // bucket_cap_mb): smaller ones start reducing earlier in backward. 0:
+  // 25, or a sixteenth of the gradient where the data group reduces by
+  // host (Note [Buckets across hosts]).
+  TORCH_ARG(double, bucket_mb) = 0;
   // Where the model, its gradients and optimizer states live: cpu, cuda
   // (this process's GPU: its local rank modulo the GPUs it sees) or cuda:N.
   TORCH_ARG(std::string, device) = "cpu";

@@ -83,7 +83,8 @@ struct TrainerOptions {
   TORCH_ARG(parallel::DiskOffloadOptions, disk) = {};
   // Parameter shards in host memory between uses (ShardedModuleOptions::offload_params).
   TORCH_ARG(bool, offload_params) = false;
-  TORCH_ARG(int64_t, bucket_bytes) = int64_t(25) << 20;
+  // ShardedModuleOptions::bucket_bytes: 0 is 25 MiB, or smaller across hosts.
+  TORCH_ARG(int64_t, bucket_bytes) = 0;
   // Gather every rank's compute and wait times each step (Note
   // [Stragglers]): one all_gather of two doubles per rank on the world's
   // host channel.
