@@ -6,6 +6,7 @@
 // across real network namespaces.
 #include "test_util.h"
 
+#include "tessera/comm/checked_communicator.h"
 #include "tessera/comm/hierarchical_communicator.h"
 #include "tessera/comm/tracing_communicator.h"
 #include "tessera/core/dtype.h"
@@ -195,30 +196,21 @@ TEST(Hierarchical, ReduceScatterAndAllGatherEqualTheResultsComputedLocally) {
   }
 }
 
-// Note [One reduction at a time]: reductions posted back to back (as the
-// buckets of a backward pass) and polled in an order that differs between
-// ranks (later ones first on even ranks), each polled step driving
-// whichever stage it reaches, all end with the sums.
-// With a stage driver (Note [Stages advanced beside the caller]) the driver
-// advances them too, beside the polls.
-class HierarchicalInFlight : public ::testing::TestWithParam<int> {};
-
-TEST_P(HierarchicalInFlight, ReductionsInFlightTogetherPolledInAnyOrder) {
-  auto world = test::world();
-  const int n = world->size();
-  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
-  auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2), std::chrono::microseconds(GetParam()));
-  ASSERT_NE(group, world);
+// Six reductions posted back to back, polled until all complete in an
+// order that differs between ranks (later ones first on even ranks); each
+// must end with its sum.
+void post_and_poll_in_any_order(comm::Communicator& world, comm::Communicator& group) {
+  const int n = world.size();
   std::vector<at::Tensor> xs;
   std::vector<comm::WorkPtr> works;
   for (int i = 0; i < 6; ++i) {
     const int64_t numel = HierarchicalCommunicator::kMinElements + 1000 * i + 3;
-    xs.push_back(at::full({numel}, static_cast<double>(world->rank() + i), at::kDouble).to(test::device()));
+    xs.push_back(at::full({numel}, static_cast<double>(world.rank() + i), at::kDouble).to(test::device()));
     comm::AllReduceOptions o;
     o.async = true;
-    works.push_back(group->all_reduce(xs.back(), o));
+    works.push_back(group.all_reduce(xs.back(), o));
   }
-  const bool backwards = world->rank() % 2 == 0;
+  const bool backwards = world.rank() % 2 == 0;
   for (bool all = false; !all;) {
     all = true;
     for (size_t k = 0; k < works.size(); ++k) all = works[backwards ? works.size() - 1 - k : k]->is_completed() && all;
@@ -230,8 +222,43 @@ TEST_P(HierarchicalInFlight, ReductionsInFlightTogetherPolledInAnyOrder) {
   }
 }
 
+// Note [Reductions in bucket order per link]: reductions posted back to
+// back (as the buckets of a backward pass) and polled in an order that
+// differs between ranks, each polled step driving whichever stage it
+// reaches, all end with the sums.
+// With a stage driver (Note [Stages advanced beside the caller]) the driver
+// advances them too, beside the polls.
+class HierarchicalInFlight : public ::testing::TestWithParam<int> {};
+
+TEST_P(HierarchicalInFlight, ReductionsInFlightTogetherPolledInAnyOrder) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  auto group = HierarchicalCommunicator::wrap(world, world->rank() / (n / 2), std::chrono::microseconds(GetParam()));
+  ASSERT_NE(group, world);
+  post_and_poll_in_any_order(*world, *group);
+}
+
 INSTANTIATE_TEST_SUITE_P(Hierarchical, HierarchicalInFlight, ::testing::Values(0, 20),
                          [](const auto& info) { return info.param ? "driven" : "polled"; });
+
+// The same over CheckedCommunicator, whose collectives wait at issue until
+// the group has issued them: there the stages keep one lane (Note
+// [Reductions in bucket order per link]), or two ranks could each wait in
+// a different lane for the other.
+TEST(Hierarchical, OverCheckedCommunicatorsReductionsInFlightKeepOneOrder) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 4 || n % 2 != 0) GTEST_SKIP() << "hosts of 2 or more ranks need an even world of 4 or more";
+  auto checked = std::make_shared<comm::CheckedCommunicator>(world);
+  auto traced = std::make_shared<comm::TracingCommunicator>(checked, std::make_shared<comm::CommTrace>());
+  EXPECT_FALSE(world->issue_waits_for_group());
+  EXPECT_TRUE(traced->issue_waits_for_group());
+  auto group = HierarchicalCommunicator::wrap(traced, world->rank() / (n / 2), std::chrono::microseconds(0));
+  ASSERT_NE(group, traced);
+  EXPECT_TRUE(group->issue_waits_for_group());
+  post_and_poll_in_any_order(*world, *group);
+}
 
 // Note [Reductions in bucket order per link]: while bucket 0 waits on the
 // link (the other host has not posted yet), buckets 1 and 2 still reduce

@@ -240,8 +240,8 @@ namespace {
 // pair of ranks, so the receiver's descriptors pair with its payloads. Both
 // sides post descriptors and payloads without blocking, so an asynchronous
 // recv stays asynchronous (a ring of "recv async, then send" must not
-// deadlock); the receiver checks the descriptors in wait(), before it waits
-// for the payloads.
+// deadlock); the receiver checks the descriptors in wait() (or in the
+// is_completed() that finds them in), before it waits for the payloads.
 class CheckedP2PWork : public Work {
  public:
   CheckedP2PWork(WorkPtr descriptors, WorkPtr payloads, std::function<void()> check)
@@ -249,17 +249,26 @@ class CheckedP2PWork : public Work {
 
   void wait() override {
     descriptors_->wait();
-    if (check_) {
-      auto check = std::move(check_);
-      check_ = nullptr;
-      check();
-    }
+    run_check();
     payloads_->wait();
   }
 
-  bool is_completed() override { return descriptors_->is_completed() && !check_ && payloads_->is_completed(); }
+  // Checks the descriptors once they are in (a local comparison), so that a
+  // caller that only polls sees the work complete.
+  bool is_completed() override {
+    if (!descriptors_->is_completed()) return false;
+    run_check();
+    return payloads_->is_completed();
+  }
 
  private:
+  void run_check() {
+    if (!check_) return;
+    auto check = std::move(check_);
+    check_ = nullptr;
+    check();
+  }
+
   WorkPtr descriptors_;
   WorkPtr payloads_;
   std::function<void()> check_;

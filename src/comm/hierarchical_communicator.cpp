@@ -421,6 +421,15 @@ WorkPtr HierarchicalCommunicator::submit(std::vector<detail::Stage> stages, bool
   // always moves and none waits forever. A reduction completes only after
   // the earlier ones have, so dropping a completed work never hides a
   // pending one from the next.
+  // That needs issuing to never block. Over a communicator whose issue
+  // waits for the group (CheckedCommunicator: issue_waits_for_group), two
+  // ranks could each wait in a different lane for the other, so there all
+  // stages share one lane: every rank issues them in one order, each
+  // reduction's after the last of the one before.
+  if (inner_->issue_waits_for_group()) {
+    for (auto& stage : stages)
+      if (stage.lane != Lane::kLocal) stage.lane = Lane::kHostReduce;
+  }
   auto work =
       std::make_shared<StagedWork>(std::move(stages), std::static_pointer_cast<StagedWork>(last_.lock()), stage_mutex_);
   last_ = work;

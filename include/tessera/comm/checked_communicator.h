@@ -43,6 +43,7 @@ class CheckedCommunicator : public Communicator, public std::enable_shared_from_
   // Each send's descriptor goes ahead of the batch; each receive checks it.
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
   bool sends_wait_for_receiver() const override { return inner_->sends_wait_for_receiver(); }
+  bool issue_waits_for_group() const override { return true; }  // the comparison of the calls
   CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 

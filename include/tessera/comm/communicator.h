@@ -206,6 +206,14 @@ class Communicator {
   // true, sends and receives that depend on each other go in one batch.
   virtual bool sends_wait_for_receiver() const = 0;
 
+  // Whether issuing a collective waits until every rank of the group has
+  // issued it (CheckedCommunicator compares the calls first). A caller that
+  // keeps several communicators' operations in flight, issued in an order
+  // that differs between ranks, must not do so over such communicators:
+  // two of those waits could each wait for the other (Note [Reductions in
+  // bucket order per link]).
+  virtual bool issue_waits_for_group() const { return false; }
+
   // The host communicator of this group for control traffic (Note [Control
   // traffic]): the same ranks in the same order. A control communicator is
   // its own control().

@@ -131,6 +131,7 @@ class HierarchicalCommunicator : public Communicator {
   WorkPtr barrier(const BarrierOptions& options = {}) override { return inner_->barrier(options); }
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override { return inner_->batch_isend_irecv(ops); }
   bool sends_wait_for_receiver() const override { return inner_->sends_wait_for_receiver(); }
+  bool issue_waits_for_group() const override { return inner_->issue_waits_for_group(); }
   CommunicatorPtr control() override { return inner_->control(); }
   // A sub-group that spans hosts evenly is hierarchical too (ZeRO's shard
   // levels of the data group); others are the inner communicator's split.

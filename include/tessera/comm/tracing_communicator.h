@@ -74,6 +74,7 @@ class TracingCommunicator : public Communicator, public std::enable_shared_from_
   // Recorded as its sends and receives.
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops) override;
   bool sends_wait_for_receiver() const override { return inner_->sends_wait_for_receiver(); }
+  bool issue_waits_for_group() const override { return inner_->issue_waits_for_group(); }
   CommunicatorPtr control() override;
   CommunicatorPtr split(int color, int key, const std::string& name) override;
 
