@@ -303,12 +303,7 @@ TEST(Planner, BytesAcrossHostsEqualThePrediction) {
     Case c{std::string("dp_") + spec, ParallelConfig(), spec};
     c.batch = 8 * n;
     const auto [traced, predicted] = check_case(c, world, per_node);
-    // Across hosts DDP's default buckets are a sixteenth of the gradient
-    // (Note [Buckets across hosts]): the planner's are of equal size, the
-    // library's end at tensors, so their padding to the group's size
-    // differs by under one element per bucket and ring step (here < 1e-3).
-    const double tolerance = std::string(spec) == "ddp" && per_node < n ? 1e-3 : 1e-6;
-    EXPECT_NEAR(traced, predicted, tolerance * predicted) << spec << " rank " << world->rank();
+    EXPECT_NEAR(traced, predicted, 1e-6 * predicted) << spec << " rank " << world->rank();
     if (per_node == n) EXPECT_EQ(traced, 0) << spec << ": one host, nothing crosses";
     if (per_node < n) EXPECT_GT(traced, 0) << spec << ": " << n / per_node << " hosts, and nothing crosses them";
     if (world->rank() == 0)

@@ -48,10 +48,10 @@
 // and with it the later reductions' stages on its lane (Note [Reductions
 // in bucket order per link] in the source): MPI moves the bytes of a
 // posted stage (with a progress thread, Note [A progress thread]), but
-// nobody posts the next one. So a hierarchical group and its splits get a stage driver: a
-// thread that, while any of their staged operations is pending, looks
-// every N µs and posts the next stage itself (its MPI_Test also runs MPI's
-// progress engine), and sleeps otherwise. N is TESSERA_PROGRESS_US (the
+// nobody posts the next one. So a hierarchical group and its splits get a
+// stage driver: a thread that, while any of their staged operations is
+// pending, looks every N µs and posts the next stage itself (its MPI_Test
+// also runs MPI's progress engine), and sleeps otherwise. N is TESSERA_PROGRESS_US (the
 // progress thread's switch; 0 turns both off), 200 µs when that is unset:
 // the driver costs nothing while no reduction by host is pending, unlike
 // the progress thread, which stays opt-in. Every advance, the

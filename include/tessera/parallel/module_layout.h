@@ -6,8 +6,9 @@
 // order of first appearance: Note [Replica groups] in sharded_module.cpp),
 // which parameters form which unit (Note [Units and gathering] in
 // sharded_module.h), and which buckets hold which parameters in which
-// order. Communicators enter only as identities and sizes, so a test
-// checks the decision in one process.
+// order. Communicators enter only as identities, sizes and whether they
+// reduce by host (the default bucket size: Note [Buckets across hosts]),
+// so a test checks the decision in one process.
 #include "tessera/comm/communicator.h"
 #include "tessera/parallel/sharded_module.h"
 #include "tessera/parallel/sharding_spec.h"
