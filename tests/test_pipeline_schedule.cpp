@@ -333,6 +333,30 @@ TEST(PipelineSchedule, DrawsTheSimulatedTimeline) {
             "rank 1 |..F0F1B0--B1--....|\n");
 }
 
+// A send that its rank must push itself (ActionCosts::send) holds the
+// rank back by that time; the message still arrives `message` after it is
+// posted. GPipe at pp 2, m 2: F0 (0-1), send, F1, send; rank 1 receives.
+TEST(PipelineSchedule, ASendsOwnTimeHoldsItsRankBack) {
+  const auto s = make_schedule(ScheduleKind::kGPipe, 2, 2);
+  ActionCosts c = uniform(1);
+  c.message = 0.5;
+  const auto free_send = simulate(s, c);
+  c.send = 0.5;
+  const auto pushed = simulate(s, c);
+  // Rank 0's second forward starts after F0 alone, or after F0 and its send.
+  EXPECT_NEAR(free_send.timeline[0][1].first, 1.0, kExact);
+  EXPECT_NEAR(pushed.timeline[0][1].first, 1.5, kExact);
+  // Rank 1's first forward waits for the message either way: 1 + 0.5.
+  EXPECT_NEAR(free_send.timeline[1][0].first, 1.5, kExact);
+  EXPECT_NEAR(pushed.timeline[1][0].first, 1.5, kExact);
+  // F1 arrives 0.5 later when rank 0 first pushed F0 (2.5 + 0.5 = 3.0).
+  EXPECT_NEAR(pushed.timeline[1][1].first, 3.0, kExact);
+  EXPECT_NEAR(free_send.timeline[1][1].first, 2.5, kExact);
+  EXPECT_GT(pushed.makespan, free_send.makespan);
+  c.send = 0.75;
+  EXPECT_ERROR_CONTAINS(simulate(s, c), "a send's own time (0.75) must be in [0, message = 0.5]");
+}
+
 TEST(PipelineSchedule, BadArgumentsNameTheValue) {
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::k1F1B, 2, 0), "number of micro-batches must be >= 1, got 0");
   EXPECT_ERROR_CONTAINS(make_schedule(ScheduleKind::kGPipe, 0, 4), "pipeline size must be >= 1, got 0");

@@ -461,6 +461,53 @@ TEST(Planner, StepTimeEqualsTheFormulaOnAHandWrittenCluster) {
   }
 }
 
+// Note [Messages nothing moves]: on ranks that share a node's cores, a
+// pipeline message between nodes that nothing moves while its ends compute
+// (message_overlap 0) adds its time to the node's bound, sent and received:
+// dp 2 x pp 2 on 2 nodes of 2 ranks with one core each, stage 0 on node 0,
+// stage 1 on node 1, 4 micro-batches. Each rank sends 4 messages of
+// rows x s x h floats at its share of the node's link (latency + bytes /
+// (bandwidth x 1/2)) and receives 4 (their latency). Inside one node
+// nothing changes.
+TEST(Planner, PipelineMessagesAcrossNodesThatNothingMovesAddToTheStep) {
+  auto cluster = planner::ClusterDesc::from_json(R"({
+      "name": "hand", "gpus_per_node": 2, "nodes": 2, "compute_units": 1, "peak_tflops": 0.001,
+      "memory_bandwidth_gbs": 100, "overlap": 0,
+      "intra": {"default": {"bandwidth_gbs": 10, "latency_us": 5}},
+      "inter": {"default": {"bandwidth_gbs": 0.1, "latency_us": 20}}})");
+  EXPECT_EQ(cluster.message_overlap, 1.0);
+  models::GPTConfig c = models::GPTConfig::preset("tiny");
+  c.layers(2).hidden(64).heads(4).vocab(128).context(32);
+  const auto model = planner::ModelDesc::gpt(c, 32);
+  planner::Plan plan;
+  plan.grid = ParallelConfig().data(2).pipeline(2);
+  plan.micro_batches = 4;
+  plan.global_batch = 32;
+  plan.schedule = ScheduleKind::k1F1B;
+  const auto moved = planner::estimate(model, plan, cluster);
+  for (const auto& x : moved.traffic.items())
+    if (x.component == "pipeline" && x.op == OpType::kSend) ASSERT_EQ(x.nodes, 2) << "the stages sit on two nodes";
+  cluster.message_overlap = 0;
+  const auto unmoved = planner::estimate(model, plan, cluster);
+  const double m = 4, rows = 32 / 2 / m, bytes = rows * 32 * 64 * 4;
+  const double per_rank = m * (20e-6 + bytes / (0.1e9 / 2)) + m * 20e-6;
+  EXPECT_NEAR(unmoved.pipeline_s - moved.pipeline_s, per_rank, 1e-9 * per_rank) << moved.summary() << "\n"
+                                                                                << unmoved.summary();
+  EXPECT_NEAR(unmoved.step_s - moved.step_s, per_rank, 1e-9 * per_rank);
+  // Half hidden, half the time.
+  cluster.message_overlap = 0.5;
+  EXPECT_NEAR(planner::estimate(model, plan, cluster).pipeline_s - moved.pipeline_s, per_rank / 2, 1e-9 * per_rank);
+  // The same pipeline inside one node of 4.
+  cluster.gpus_per_node = 4;
+  cluster.nodes = 1;
+  cluster.message_overlap = 1;
+  const double inside = planner::estimate(model, plan, cluster).step_s;
+  cluster.message_overlap = 0;
+  EXPECT_EQ(planner::estimate(model, plan, cluster).step_s, inside);
+  EXPECT_TRUE(test::throws_with([] { planner::ClusterDesc::from_json(R"({"message_overlap": 1.5})"); },
+                                "'message_overlap' is a fraction in [0, 1], got 1.5"));
+}
+
 TEST(Planner, BadInputIsRefused) {
   EXPECT_TRUE(test::throws_with([] { planner::ModelDesc::preset("llama-8b", 128); }, "unknown model preset 'llama-8b'"));
   EXPECT_TRUE(test::throws_with([] { planner::ClusterDesc::from_json(R"({"nodez": 2})"); }, "unknown key 'nodez'"));

@@ -23,6 +23,8 @@ class Simulator {
   Simulator(const Schedule& s, const ActionCosts& costs) : s_(s), costs_(costs) {
     TORCH_CHECK(static_cast<int>(s.ranks.size()) == s.pp, where(), "has ", s.ranks.size(),
                 " rank lists for pp = ", s.pp);
+    TORCH_CHECK(costs.send >= 0 && costs.send <= costs.message, where(), "a send's own time (", costs.send,
+                ") must be in [0, message = ", costs.message, "]: it is the part of the message its sender waits for");
     state_.assign(s.stages(), std::vector<unsigned char>(s.microbatches, kNone));
     received_.assign(s.stages(), std::vector<unsigned char>(s.microbatches, 0));
   }
@@ -56,6 +58,7 @@ class Simulator {
             const MessageKey key{act, a.microbatch, act ? a.stage + 1 : a.stage - 1};
             TORCH_CHECK(sent_.count(key) == 0, where(r, pos[r], a), "sends the same message twice");
             sent_[key] = time[r] + costs_.message;
+            time[r] += costs_.send;
           } else {
             const double cost = a.paired ? paired_forward_cost(r, pos[r]) : cost_of(a.kind);
             sim.timeline[r].emplace_back(time[r], a);

@@ -144,6 +144,10 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
     } else if (key == "overlap") {
       c.overlap = number(value, key);
       TORCH_CHECK(c.overlap <= 1, "cluster: 'overlap' is a fraction in [0, 1], got ", c.overlap);
+    } else if (key == "message_overlap") {
+      c.message_overlap = number(value, key);
+      TORCH_CHECK(c.message_overlap <= 1, "cluster: 'message_overlap' is a fraction in [0, 1], got ",
+                  c.message_overlap);
     } else if (key == "host_reductions") {
       TORCH_CHECK(value.is_boolean(), "cluster: 'host_reductions' must be true or false, got ", value.dump());
       c.host_reductions = value.get<bool>();
@@ -152,11 +156,12 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
     } else if (key == "inter") {
       links_from_json(value, key, c.inter_default, c.inter);
     } else {
-      TORCH_CHECK(
-          false, "cluster: unknown key '", key,
-          "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
-          "achieved_tflops, "
-          "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, host_reductions, intra, inter");
+      TORCH_CHECK(false, "cluster: unknown key '", key,
+                  "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
+                  "achieved_tflops, "
+                  "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, message_overlap, "
+                  "host_reductions, intra, "
+                  "inter");
     }
   }
   TORCH_CHECK(c.peak_flops > 0, "cluster: 'peak_tflops' must be positive");
@@ -284,6 +289,7 @@ std::string ClusterDesc::to_json() const {
          {"memory_bandwidth_gbs", memory_bandwidth / 1e9},
          {"host_bandwidth_gbs", host_bandwidth / 1e9},
          {"overlap", overlap},
+         {"message_overlap", message_overlap},
          {"host_reductions", host_reductions},
          {"intra", intra_j},
          {"inter", inter_j}};

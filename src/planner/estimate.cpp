@@ -104,6 +104,7 @@ Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& 
     Traffic traffic;
     std::map<std::string, double> comm;
     double compute = 0, makespan = 0, bubble = 0, busy = 0, exposed = 0;
+    double unmoved = 0;  // its messages across nodes, sent and received (Note [Messages nothing moves])
   };
   std::vector<PerRank> ranks(c.pipeline());
   for (int pp_rank = 0; pp_rank < c.pipeline(); ++pp_rank) {
@@ -118,12 +119,15 @@ Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& 
     const auto stages = stages_of(model, plan, pp_rank);
     for (const auto& st : stages) fwd_flops += stage_forward_flops(model, plan, st);
     const double chunks = static_cast<double>(stages.size());
-    double blocking_mb = 0, data_overlapped = 0, data_blocking = 0, message = 0;
+    double blocking_mb = 0, data_overlapped = 0, data_blocking = 0, message = 0, message_across = 0;
     for (const Collective& x : r.traffic.items()) {
       const double t = cluster.seconds(x.op, x.size, x.calls, x.bus_bytes, x.nodes, x.per_node);
       r.comm[x.component] += t;
       if (x.component == "pipeline") {
         if (x.op == comm::OpType::kSend) message += t / x.calls;
+        if (x.op == comm::OpType::kSend && x.nodes > 1) message_across += t / x.calls;
+        if ((x.op == comm::OpType::kSend || x.op == comm::OpType::kRecv) && x.nodes > 1)
+          r.unmoved += t;
         else if (x.op == comm::OpType::kAllReduce) data_blocking += t;  // the tied embedding, after the schedule
       } else if (x.component == "tensor" || x.component == "sequence" || x.component == "expert") {
         blocking_mb += t / m / chunks;
@@ -146,6 +150,7 @@ Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& 
     costs.backward_input = costs.backward / 2;
     costs.backward_weight = costs.backward / 2;
     costs.message = message;
+    costs.send = (1 - cluster.message_overlap) * message_across;  // Note [Messages nothing moves]
     if (c.pipeline() > 1) {
       const auto sim = parallel::simulate(
           parallel::make_schedule(plan.schedule, c.pipeline(), static_cast<int>(plan.micro_batches), plan.chunks),
@@ -157,10 +162,24 @@ Estimate estimate(const ModelDesc& model, const Plan& given, const ClusterDesc& 
     }
     const double passes = 3 + (plan.checkpoint_activations ? 1 : 0);
     r.compute = m * passes * (fwd_flops / cluster.compute_rate() + cluster.block_overhead * blocks / 3);
-    r.busy = r.compute + m * chunks * blocking_mb;
+    r.busy = r.compute + m * chunks * blocking_mb + (1 - cluster.message_overlap) * r.unmoved;
     const double hidden = cluster.overlap * std::min(data_overlapped, r.compute);
     r.exposed = data_overlapped - hidden + data_blocking;
   }
+  // Note [Messages nothing moves]
+  // A pipeline message between nodes hides behind compute only where
+  // something moves it while both ends compute (a copy engine, NCCL's
+  // kernels). Over MPI on CPU ranks nothing does: a payload larger than
+  // the eager limit moves only once its receive is posted, which the
+  // executor does when the schedule needs it, and then only inside MPI
+  // calls; a progress thread (TESSERA_PROGRESS_US) changed nothing on
+  // the emulated cluster (docs/planner.md). So the unhidden share,
+  // 1 - message_overlap, of each message across nodes is time its ranks spend
+  // outside compute: the sender's in the schedule (the send's own time in
+  // the simulator), and, where ranks share cores, both ends' in the node's
+  // bound, since the data-parallel replicas of a stage wait together and
+  // leave the cores idle. Messages inside a node are left as they were
+  // (shared memory: microseconds at these sizes).
   // Note [Shared compute]
   // When the ranks of a node share fewer compute units than they are (CPU
   // ranks on fewer cores), a rank that waits in the pipeline's bubble

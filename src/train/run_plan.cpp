@@ -114,6 +114,9 @@ planner::ClusterDesc this_machine(const RunOptions& run, int world, const Measur
   if (run.memory_gb() > 0) c.memory_bytes = run.memory_gb() * 1e9;
   // --overlap, else the --cluster description's, else none (CPU ranks: docs/planner.md).
   if (run.was_given("overlap") || run.cluster().empty()) c.overlap = run.overlap();
+  // Pipeline messages over MPI move only inside its calls (Note [Messages
+  // nothing moves] in src/planner/estimate.cpp); NCCL's keep the cluster's.
+  if (run.device() == "cpu" || run.backend() == comm::Backend::kMpi) c.message_overlap = 0;
   return c;
 }
 
@@ -194,10 +197,11 @@ planner::Estimate plan_run(RunOptions& run, const comm::CommunicatorPtr& world, 
   log.print(
       fmt::format("planner: {}, measured: {:.3g} GFLOP/s per rank for this GPT (the slowest rank's passes, "
                   "{:.3g}x the mean rank's), {:.3g} ms per block and pass beside it, optimizer {:.3g} GB/s per "
-                  "rank, {} cores; collectives {}; overlap {}",
+                  "rank, {} cores; collectives {}; overlap {}, of pipeline messages across hosts {}",
                   links.nodes > 1 ? "these hosts" : "this machine", rates.flops / 1e9, rates.slowest_over_mean,
                   1e3 * rates.block_overhead, rates.optimizer_bytes_s / 1e9, cluster.compute_units,
-                  links.nodes > 1 || collectives.empty() ? collectives : "from " + collectives, cluster.overlap));
+                  links.nodes > 1 || collectives.empty() ? collectives : "from " + collectives, cluster.overlap,
+                  cluster.message_overlap));
   if (run.plan() == PlanMode::kFlags) {
     const planner::Plan p = planner::on_nodes(plan_of(run, world->size()), cluster.gpus_per_node);
     planner::check_plan(model, p);

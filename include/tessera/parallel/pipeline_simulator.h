@@ -19,6 +19,10 @@ struct ActionCosts {
   double backward_input = 1.0;   // I
   double backward_weight = 1.0;  // W
   double message = 0.0;          // from a send to the matching receive's earliest completion
+  // What a send keeps its rank from the next action (<= message): where
+  // nothing moves a message while its sender computes (Note [Messages
+  // nothing moves] in estimate.cpp), the sender pushes it before going on.
+  double send = 0.0;
   // An F&B block (Action::paired) as a whole; below 0: its forward plus its
   // backward, which is what the executor runs (Note [DualPipeV order]).
   double forward_backward = -1.0;

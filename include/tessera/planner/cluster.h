@@ -51,6 +51,10 @@ struct ClusterDesc {
   // backward and forward compute (1: all of it, as on GPUs with a
   // communication stream; measured on a CPU machine).
   double overlap = 1.0;
+  // Fraction of a pipeline message between nodes that moves while both its
+  // ends compute (1: a copy engine or NCCL moves it; 0: CPU ranks over MPI,
+  // Note [Messages nothing moves] in src/planner/estimate.cpp).
+  double message_overlap = 1.0;
   // Data-parallel all-reduces of a group spanning nodes go inside each node
   // first and across nodes once (comm::HierarchicalCommunicator; false:
   // TESSERA_HOST_REDUCTIONS=flat).
@@ -73,7 +77,8 @@ struct ClusterDesc {
   // Reads
   //   {"name": "...", "gpus_per_node": 8, "nodes": 128, "memory_gb": 80,
   //    "peak_tflops": 312, "achieved_tflops": 190, "memory_bandwidth_gbs": 2039,
-  //    "host_bandwidth_gbs": 25, "overlap": 1.0, "host_reductions": true,
+  //    "host_bandwidth_gbs": 25, "overlap": 1.0, "message_overlap": 1.0,
+  //    "host_reductions": true,
   //    "intra": {"default": {"bandwidth_gbs": 150, "latency_us": 10},
   //              "all_to_all": {...}},
   //    "inter": {"default": {"bandwidth_gbs": 100, "latency_us": 20}}}
