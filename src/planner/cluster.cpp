@@ -158,10 +158,8 @@ ClusterDesc ClusterDesc::from_json(const std::string& text) {
     } else {
       TORCH_CHECK(false, "cluster: unknown key '", key,
                   "'; expected name, gpus_per_node, nodes, compute_units, block_overhead_us, memory_gb, peak_tflops, "
-                  "achieved_tflops, "
-                  "memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, message_overlap, "
-                  "host_reductions, intra, "
-                  "inter");
+                  "achieved_tflops, memory_bandwidth_gbs, host_bandwidth_gbs, host_optimizer_gbs, overlap, "
+                  "message_overlap, host_reductions, intra, inter");
     }
   }
   TORCH_CHECK(c.peak_flops > 0, "cluster: 'peak_tflops' must be positive");
